@@ -1,0 +1,21 @@
+"""lightning_parallel: parallel-training techniques from research, one ``Trainer`` argument away.
+
+``import lightning_parallel`` registers every strategy name of the package with Lightning, so
+``Trainer(strategy="<name>")`` works for each name in :func:`registered_names`.
+"""
+
+from lightning_parallel.__about__ import __version__
+from lightning_parallel.callbacks import CommStats
+from lightning_parallel.comm.accounting import track_collectives
+from lightning_parallel.comm.ledger import CommLedger, process_ledger
+from lightning_parallel.strategies import register_strategy, registered_names
+
+__all__ = [
+    "CommLedger",
+    "CommStats",
+    "__version__",
+    "process_ledger",
+    "register_strategy",
+    "registered_names",
+    "track_collectives",
+]

@@ -1,0 +1,145 @@
+"""Log what communication costs per training step, for every strategy, through Lightning.
+
+``CommStats`` makes each rank's :class:`~lightning_parallel.comm.ledger.CommLedger` visible:
+
+1. at ``setup`` it starts counting every ``torch.distributed`` collective called from Python
+   (:func:`~lightning_parallel.comm.accounting.track_collectives`), which covers DDP comm
+   hooks, Lightning's own collectives and all strategies of this package;
+2. plain DDP (a strategy without ``reports_communication = True``) allreduces gradients in
+   C++, out of Python's sight: for it, each optimizer step adds the ring-allreduce cost of the
+   gradients, ``2·(W−1)/W · Σ bytes(grad)``;
+3. after each optimizer step it drains the ledger and logs ``comm/bytes`` (bytes this rank
+   sent during the step), ``comm/seconds`` (blocking time in communication), ``comm/calls``,
+   and every strategy gauge as ``comm/<gauge>``;
+4. it keeps per-process totals in :attr:`totals` and a per-step :attr:`history`.
+
+Example::
+
+    trainer = Trainer(strategy="ddp", callbacks=[CommStats()])
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.callbacks import Callback
+from pytorch_lightning.strategies import DDPStrategy
+
+from lightning_parallel.comm.accounting import ring_allreduce_bytes, track_collectives
+from lightning_parallel.comm.ledger import CommLedger, process_ledger
+
+__all__: list[str] = []
+
+
+@dataclass
+class CommTotals:
+    """Per-process totals over a fit."""
+
+    bytes_sent: float = 0.0
+    comm_seconds: float = 0.0
+    steps: int = 0
+    step_seconds: list[float] = field(default_factory=list)
+
+    @property
+    def bytes_per_step(self) -> float:
+        return self.bytes_sent / self.steps if self.steps else 0.0
+
+
+def _gradient_bytes(module: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+
+
+class CommStats(Callback):
+    """Log bytes sent, communication time and strategy gauges per optimizer step.
+
+    Args:
+        log: log the figures through the trainer's loggers (``False``: only collect them).
+        prog_bar: also show ``comm/bytes`` in the progress bar.
+        ledger: the ledger to read (default: this process's ledger).
+    """
+
+    def __init__(
+        self, log: bool = True, prog_bar: bool = False, ledger: CommLedger | None = None
+    ) -> None:
+        self.log = log
+        self.prog_bar = prog_bar
+        self.ledger = ledger if ledger is not None else process_ledger()
+        self.totals = CommTotals()
+        self.history: list[dict[str, float]] = []
+        self._stack: ExitStack | None = None
+        self._analytic_bytes = 0.0
+        self._last_step = 0
+        self._step_start = 0.0
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self._stack is None:
+            self._stack = ExitStack()
+            self._stack.enter_context(track_collectives(self.ledger))
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self._stack is not None:
+            self._stack.close()
+            self._stack = None
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        strategy = trainer.strategy
+        plain_ddp = isinstance(strategy, DDPStrategy) and not getattr(
+            strategy, "reports_communication", False
+        )
+        world = trainer.world_size
+        self._analytic_bytes = (
+            ring_allreduce_bytes(_gradient_bytes(pl_module), world) if plain_ddp else 0.0
+        )
+        self.ledger.drain()  # set-up traffic (initial broadcast) is not a training step's
+        self._last_step = trainer.global_step
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if trainer.global_step == self._last_step and not self._step_start:
+            self._step_start = time.perf_counter()
+
+    def on_train_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        steps = trainer.global_step - self._last_step
+        if steps <= 0:  # gradient accumulation: no optimizer step yet
+            return
+        self._last_step = trainer.global_step
+        if self._analytic_bytes:
+            self.ledger.add("gradients", self._analytic_bytes * steps, 0.0, calls=steps)
+        records = self.ledger.drain()
+        sent = sum(r.bytes_sent for r in records.values())
+        seconds = sum(r.seconds for r in records.values())
+        calls = sum(r.calls for r in records.values())
+        step_seconds = time.perf_counter() - self._step_start if self._step_start else 0.0
+        self._step_start = time.perf_counter()
+        self.totals.bytes_sent += sent
+        self.totals.comm_seconds += seconds
+        self.totals.steps += steps
+        self.totals.step_seconds.append(step_seconds)
+        row = {"step": float(trainer.global_step), "bytes": sent, "seconds": seconds}
+        row.update({f"gauge/{k}": v for k, v in self.ledger.gauges.items()})
+        self.history.append(row)
+        if self.log:
+            metrics = {"comm/bytes": sent, "comm/seconds": seconds, "comm/calls": float(calls)}
+            metrics.update({f"comm/{k}": v for k, v in self.ledger.gauges.items()})
+            for name, value in metrics.items():
+                pl_module.log(
+                    name,
+                    float(value),
+                    on_step=True,
+                    on_epoch=False,
+                    prog_bar=self.prog_bar and name == "comm/bytes",
+                    rank_zero_only=True,
+                )

@@ -1,0 +1,161 @@
+"""The ``lightning-parallel`` command.
+
+Subcommands:
+
+- ``fit``, ``validate``, ``test``, ``predict``: a ``LightningCLI`` over the bundled demo models
+  and data (``--model vgg_mini|convnet|mlp``, ``--data digits|synthetic``) or any
+  ``--model``/``--data`` class path, with every strategy of this package available by name,
+  e.g. ``lightning-parallel fit --model convnet --data digits --trainer.devices 2
+  --trainer.strategy ddp_spawn``. The demo model's ``input_shape`` and ``num_classes`` follow
+  the data; a ``CommStats`` callback logs communication per step.
+- ``cluster``: run a command on a simulated multi-host cluster (network namespaces).
+- ``bench``: compare strategies on the simulated cluster.
+- ``strategies``: list the strategy names this package registers.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+_LIGHTNING_SUBCOMMANDS = ("fit", "validate", "test", "predict")
+_TOOLS = {
+    "cluster": "lightning_parallel.cluster.command",
+    "bench": "lightning_parallel.bench.command",
+}
+_USAGE = (
+    "usage: lightning-parallel {fit,validate,test,predict,cluster,bench,strategies} ...\n"
+    "       lightning-parallel fit --help   (and likewise for every subcommand)\n"
+)
+
+
+def _expand_short_names(argv: list[str]) -> tuple[list[str], bool]:
+    """Replace demo short names after ``--model``/``--data`` by class paths.
+
+    Returns the new argument list and whether both model and data are demo classes (then the
+    model's input shape is linked to the data's).
+    """
+    from lightning_parallel.demo import DATAMODULES, MODELS
+
+    tables: dict[str, dict[str, type]] = {"--model": MODELS, "--data": DATAMODULES}
+    out: list[str] = []
+    demo = {"--model": True, "--data": True}
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        flag, _, value = arg.partition("=")
+        if flag in tables and (value or i + 1 < len(argv)):
+            if not value:
+                value = argv[i + 1]
+                i += 1
+            table = tables[flag]
+            if value in table:
+                cls = table[value]
+                value = f"{cls.__module__.rsplit('.', 1)[0]}.{cls.__name__}"
+            elif not value.startswith("lightning_parallel.demo"):
+                if "." not in value and not value.endswith((".yaml", ".yml", "}")):
+                    kind = "model" if flag == "--model" else "data"
+                    raise SystemExit(
+                        f"error: unknown {kind} {value!r}: use one of {sorted(table)} "
+                        f"or a class path such as my_package.MyModule"
+                    )
+                demo[flag] = False
+            out.append(f"{flag}={value}")
+        else:
+            out.append(arg)
+        i += 1
+    return out, demo["--model"] and demo["--data"]
+
+
+def _run_lightning_cli(argv: list[str]) -> int:
+    from pytorch_lightning import LightningDataModule, LightningModule
+    from pytorch_lightning.cli import LightningCLI
+
+    import lightning_parallel  # noqa: F401  (registers strategy names)
+    from lightning_parallel.callbacks import CommStats
+
+    argv, link_demo = _expand_short_names(argv)
+    cli_class = __getattr__("_DemoLinkedCLI") if link_demo else LightningCLI
+    cli_class(
+        LightningModule,
+        LightningDataModule,
+        subclass_mode_model=True,
+        subclass_mode_data=True,
+        args=argv,
+        trainer_defaults={"callbacks": [CommStats()]},
+        save_config_kwargs={"overwrite": True},
+    )
+    return 0
+
+
+def _make_demo_cli() -> type:
+    from pytorch_lightning.cli import LightningArgumentParser, LightningCLI
+
+    class DemoLinkedCLI(LightningCLI):
+        """LightningCLI that sizes the demo model from the demo data."""
+
+        def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+            parser.link_arguments(
+                "data", "model.init_args.input_shape", _input_shape, apply_on="instantiate"
+            )
+            parser.link_arguments(
+                "data", "model.init_args.num_classes", _num_classes, apply_on="instantiate"
+            )
+
+    return DemoLinkedCLI
+
+
+def _input_shape(data: Any) -> tuple[int, int, int]:
+    return tuple(data.input_shape)  # type: ignore[return-value]
+
+
+def _num_classes(data: Any) -> int:
+    return int(data.num_classes)
+
+
+def _list_strategies() -> int:
+    import lightning_parallel
+
+    for name, description in sorted(lightning_parallel.registered_names().items()):
+        print(f"{name:24s} {description}")
+    return 0
+
+
+def __getattr__(name: str) -> Any:
+    # built lazily so that ``import lightning_parallel.cli`` stays light, but at module level
+    # (as ``lightning_parallel.cli._DemoLinkedCLI``) so that spawn launchers can pickle it
+    if name == "_DemoLinkedCLI":
+        cls = _make_demo_cli()
+        cls.__qualname__ = cls.__name__ = "_DemoLinkedCLI"
+        globals()["_DemoLinkedCLI"] = cls
+        return cls
+    raise AttributeError(name)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``lightning-parallel``; returns the exit code."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(_USAGE, end="")
+        return 0 if args else 2
+    command, rest = args[0], args[1:]
+    if command in ("-V", "--version"):
+        from lightning_parallel import __version__
+
+        print(__version__)
+        return 0
+    if command in _LIGHTNING_SUBCOMMANDS:
+        return _run_lightning_cli([command, *rest])
+    if command == "strategies":
+        return _list_strategies()
+    if command in _TOOLS:
+        module = importlib.import_module(_TOOLS[command])
+        return int(module.main(rest))
+    print(f"error: unknown command {command!r}\n{_USAGE}", end="", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

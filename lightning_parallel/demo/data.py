@@ -1,0 +1,164 @@
+"""Bundled data: scikit-learn's handwritten digits (real, no download) and synthetic images.
+
+Both data modules expose ``input_shape`` (channels, height, width) and ``num_classes`` so that
+the demo models can be built to fit them (the CLI links them automatically).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from pytorch_lightning import LightningDataModule
+from torch.utils.data import DataLoader, TensorDataset
+
+__all__: list[str] = []
+
+
+class _TensorDataModule(LightningDataModule):
+    """Serve a fixed train/validation pair of tensors through ordinary data loaders."""
+
+    num_classes: int = 10
+
+    def __init__(self, batch_size: int, num_workers: int) -> None:
+        super().__init__()
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be a positive integer, got {batch_size}")
+        if num_workers < 0:
+            raise ValueError(f"num_workers must be >= 0, got {num_workers}")
+        self.batch_size = batch_size
+        self.num_workers = num_workers
+        self.train_set: TensorDataset | None = None
+        self.val_set: TensorDataset | None = None
+
+    def _tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        raise RuntimeError("subclasses provide _tensors()")  # pragma: no cover
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_set is None:
+            train_x, train_y, val_x, val_y = self._tensors()
+            self.train_set = TensorDataset(train_x, train_y)
+            self.val_set = TensorDataset(val_x, val_y)
+
+    def train_dataloader(self) -> DataLoader:
+        assert self.train_set is not None, "call setup() first"
+        # drop_last keeps every step's batch whole, so pipelines can split it into micro-batches
+        return DataLoader(
+            self.train_set,
+            batch_size=self.batch_size,
+            shuffle=True,
+            drop_last=True,
+            num_workers=self.num_workers,
+        )
+
+    def val_dataloader(self) -> DataLoader:
+        assert self.val_set is not None, "call setup() first"
+        return DataLoader(self.val_set, batch_size=self.batch_size, num_workers=self.num_workers)
+
+    def test_dataloader(self) -> DataLoader:
+        return self.val_dataloader()
+
+    def predict_dataloader(self) -> DataLoader:
+        return self.val_dataloader()
+
+
+class DigitsDataModule(_TensorDataModule):
+    """Scikit-learn's 1,797 handwritten digits (8x8, 10 classes), ready for CNNs and MLPs.
+
+    The split is fixed by ``seed`` (``val_fraction`` of the samples for validation, stratified by
+    nothing but the permutation); pixels are scaled to [0, 1], optionally resized to 32x32
+    (bilinear) so convolutional networks see image-sized inputs, then normalized with the
+    training set's mean and standard deviation.
+
+    Args:
+        batch_size: samples per training step on each process.
+        resize: upsample the 8x8 images to 32x32.
+        val_fraction: share of the samples held out for validation.
+        seed: seed of the train/validation permutation.
+        num_workers: data-loader worker processes.
+    """
+
+    def __init__(
+        self,
+        batch_size: int = 64,
+        resize: bool = True,
+        val_fraction: float = 0.2,
+        seed: int = 0,
+        num_workers: int = 0,
+    ) -> None:
+        super().__init__(batch_size, num_workers)
+        if not 0.0 < val_fraction < 1.0:
+            raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
+        self.resize = resize
+        self.val_fraction = val_fraction
+        self.seed = seed
+        side = 32 if resize else 8
+        self.input_shape = (1, side, side)
+
+    def _tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        from sklearn.datasets import load_digits
+
+        digits = load_digits()
+        images = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
+        labels = torch.tensor(digits.target, dtype=torch.long)
+        if self.resize:
+            images = F.interpolate(images, size=(32, 32), mode="bilinear", align_corners=False)
+        order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(self.seed))
+        n_val = round(len(labels) * self.val_fraction)
+        val_idx, train_idx = order[:n_val], order[n_val:]
+        mean, std = images[train_idx].mean(), images[train_idx].std()
+        images = (images - mean) / std
+        return images[train_idx], labels[train_idx], images[val_idx], labels[val_idx]
+
+
+class SyntheticImageDataModule(_TensorDataModule):
+    """Deterministic CIFAR-shaped images (3x32x32, 10 classes by default) of any size.
+
+    Each class has a fixed random template; a sample is its class template plus Gaussian
+    noise, so the task is learnable and accuracy means something, while the size is free for
+    throughput runs. Everything derives from ``seed``.
+
+    Args:
+        num_samples: training samples (validation gets a fifth of that, at least one batch).
+        image_size: height and width.
+        channels: image channels.
+        num_classes: classes.
+        noise: standard deviation of the noise added to the class template.
+        batch_size: samples per training step on each process.
+        seed: seed of templates, noise and labels.
+        num_workers: data-loader worker processes.
+    """
+
+    def __init__(
+        self,
+        num_samples: int = 4096,
+        image_size: int = 32,
+        channels: int = 3,
+        num_classes: int = 10,
+        noise: float = 1.0,
+        batch_size: int = 64,
+        seed: int = 0,
+        num_workers: int = 0,
+    ) -> None:
+        super().__init__(batch_size, num_workers)
+        for name, value in (("num_samples", num_samples), ("image_size", image_size)):
+            if value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value}")
+        if num_classes < 2:
+            raise ValueError(f"num_classes must be at least 2, got {num_classes}")
+        self.num_samples = num_samples
+        self.num_classes = num_classes
+        self.noise = noise
+        self.seed = seed
+        self.input_shape = (channels, image_size, image_size)
+
+    def _make(self, count: int, generator: torch.Generator, templates: torch.Tensor) -> tuple:
+        labels = torch.randint(0, self.num_classes, (count,), generator=generator)
+        noise = torch.randn((count, *self.input_shape), generator=generator) * self.noise
+        return templates[labels] + noise, labels
+
+    def _tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        generator = torch.Generator().manual_seed(self.seed)
+        templates = torch.randn((self.num_classes, *self.input_shape), generator=generator)
+        train_x, train_y = self._make(self.num_samples, generator, templates)
+        val_x, val_y = self._make(max(self.num_samples // 5, self.batch_size), generator, templates)
+        return train_x, train_y, val_x, val_y

@@ -1,0 +1,223 @@
+"""Bundled models: ``vgg_mini``, ``convnet`` and ``mlp``, as ordinary ``LightningModule``s.
+
+Every model keeps its whole network in ``self.layers``, an ``nn.Sequential`` of blocks, so that
+``forward(x) == self.layers(x)``: pipeline strategies split that sequence into stages, every
+other strategy treats the model as one module. All log ``train_loss``, ``val_loss`` and
+``val_acc`` (``torchmetrics``), and ``test_loss``/``test_acc`` under ``trainer.test``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from pytorch_lightning import LightningModule
+from torch import nn
+from torchmetrics.classification import MulticlassAccuracy
+
+__all__: list[str] = []
+
+_OPTIMIZERS = ("sgd", "adamw")
+
+
+class DemoClassifier(LightningModule):
+    """Base of the demo models: cross-entropy classification with accuracy metrics.
+
+    Subclasses implement :meth:`build_layers`. Args common to every demo model:
+
+    Args:
+        input_shape: (channels, height, width) of one sample; the CLI takes it from the data.
+        num_classes: number of classes.
+        lr: learning rate.
+        momentum: SGD momentum (ignored by AdamW).
+        weight_decay: L2 penalty.
+        optimizer: ``"sgd"`` or ``"adamw"``.
+    """
+
+    def __init__(
+        self,
+        input_shape: tuple[int, int, int] = (1, 32, 32),
+        num_classes: int = 10,
+        lr: float = 0.05,
+        momentum: float = 0.9,
+        weight_decay: float = 0.0,
+        optimizer: str = "sgd",
+    ) -> None:
+        super().__init__()
+        if optimizer not in _OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {_OPTIMIZERS}, got {optimizer!r}")
+        if lr <= 0:
+            raise ValueError(f"lr must be positive, got {lr}")
+        if len(input_shape) != 3 or min(input_shape) < 1:
+            raise ValueError(
+                "input_shape must be (channels, height, width) of positive sizes, "
+                f"got {input_shape}"
+            )
+        self.save_hyperparameters()
+        self.lr, self.momentum, self.weight_decay, self.optimizer_name = (
+            lr,
+            momentum,
+            weight_decay,
+            optimizer,
+        )
+        self.input_shape = tuple(input_shape)
+        self.num_classes = num_classes
+        self.layers = self.build_layers(tuple(input_shape), num_classes)  # type: ignore[arg-type]
+        self.val_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
+        self.test_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
+
+    def build_layers(self, input_shape: tuple[int, int, int], num_classes: int) -> nn.Sequential:
+        """Return the network as a sequence of blocks (overridden by every model)."""
+        raise TypeError(f"{type(self).__name__} must override build_layers()")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = F.cross_entropy(self(x), y)
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def _evaluate(self, batch: Any, prefix: str, metric: MulticlassAccuracy) -> torch.Tensor:
+        x, y = batch
+        logits = self(x)
+        loss = F.cross_entropy(logits, y)
+        metric(logits, y)
+        self.log(f"{prefix}_loss", loss, prog_bar=True, sync_dist=True)
+        self.log(f"{prefix}_acc", metric, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self._evaluate(batch, "val", self.val_acc)
+
+    def test_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self._evaluate(batch, "test", self.test_acc)
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self(batch[0]).argmax(dim=-1)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        if self.optimizer_name == "adamw":
+            return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=self.weight_decay)
+        return torch.optim.SGD(
+            self.parameters(), lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay
+        )
+
+
+def _conv_block(in_channels: int, out_channels: int, batch_norm: bool) -> nn.Sequential:
+    layers: list[nn.Module] = [nn.Conv2d(in_channels, out_channels, 3, padding=1)]
+    if batch_norm:
+        layers.append(nn.BatchNorm2d(out_channels))
+    layers.append(nn.ReLU())
+    return nn.Sequential(*layers)
+
+
+class VGGMini(DemoClassifier):
+    """A small VGG: six 3x3 convolutions in three stages, then three large linear layers.
+
+    As in VGG-16, the fully-connected layers hold most of the parameters (about 12.6M of
+    12.9M with the defaults on 32x32 inputs), and the convolutions most of the compute.
+
+    Args:
+        width: channels of the first convolution stage (doubled at each stage).
+        fc_width: width of the first hidden linear layer (the second has a quarter).
+        batch_norm: put BatchNorm after every convolution.
+        **kwargs: see :class:`DemoClassifier`.
+    """
+
+    def __init__(
+        self, width: int = 32, fc_width: int = 4096, batch_norm: bool = False, **kwargs: Any
+    ) -> None:
+        self.width, self.fc_width, self.batch_norm = width, fc_width, batch_norm
+        super().__init__(**kwargs)
+
+    def build_layers(self, input_shape: tuple[int, int, int], num_classes: int) -> nn.Sequential:
+        channels, height, width = input_shape
+        if height % 8 or width % 8:
+            raise ValueError(f"vgg_mini needs height and width divisible by 8, got {input_shape}")
+        w, bn = self.width, self.batch_norm
+        flat = 4 * w * (height // 8) * (width // 8)
+        return nn.Sequential(
+            _conv_block(channels, w, bn),
+            _conv_block(w, w, bn),
+            nn.MaxPool2d(2),
+            _conv_block(w, 2 * w, bn),
+            _conv_block(2 * w, 2 * w, bn),
+            nn.MaxPool2d(2),
+            _conv_block(2 * w, 4 * w, bn),
+            _conv_block(4 * w, 4 * w, bn),
+            nn.MaxPool2d(2),
+            nn.Flatten(),
+            nn.Sequential(nn.Linear(flat, self.fc_width), nn.ReLU()),
+            nn.Sequential(nn.Linear(self.fc_width, self.fc_width // 4), nn.ReLU()),
+            nn.Linear(self.fc_width // 4, num_classes),
+        )
+
+
+class ConvNet(DemoClassifier):
+    """A small CNN: two convolution stages and two linear layers (about 0.1M parameters).
+
+    Args:
+        width: channels of the first convolution (the second has twice as many).
+        **kwargs: see :class:`DemoClassifier`.
+    """
+
+    def __init__(self, width: int = 16, **kwargs: Any) -> None:
+        self.width = width
+        super().__init__(**kwargs)
+
+    def build_layers(self, input_shape: tuple[int, int, int], num_classes: int) -> nn.Sequential:
+        channels, height, width = input_shape
+        if height % 4 or width % 4:
+            raise ValueError(f"convnet needs height and width divisible by 4, got {input_shape}")
+        w = self.width
+        return nn.Sequential(
+            _conv_block(channels, w, False),
+            nn.MaxPool2d(2),
+            _conv_block(w, 2 * w, False),
+            nn.MaxPool2d(2),
+            nn.Flatten(),
+            nn.Sequential(nn.Linear(2 * w * (height // 4) * (width // 4), 64), nn.ReLU()),
+            nn.Linear(64, num_classes),
+        )
+
+
+class MLP(DemoClassifier):
+    """A deep multilayer perceptron: an input layer, ``depth`` equal blocks, a classifier.
+
+    The equal blocks make it the natural pipeline case: any split into stages is balanced.
+
+    Args:
+        depth: number of hidden blocks (Linear + optional BatchNorm + ReLU); at least 1.
+        width: width of every hidden block.
+        batch_norm: put BatchNorm1d in every block.
+        **kwargs: see :class:`DemoClassifier`.
+    """
+
+    def __init__(
+        self, depth: int = 8, width: int = 256, batch_norm: bool = False, **kwargs: Any
+    ) -> None:
+        if depth < 1:
+            raise ValueError(f"depth must be at least 1, got {depth}")
+        self.depth, self.width, self.batch_norm = depth, width, batch_norm
+        super().__init__(**kwargs)
+
+    def _block(self, in_features: int) -> nn.Sequential:
+        layers: list[nn.Module] = [nn.Linear(in_features, self.width)]
+        if self.batch_norm:
+            layers.append(nn.BatchNorm1d(self.width))
+        layers.append(nn.ReLU())
+        return nn.Sequential(*layers)
+
+    def build_layers(self, input_shape: tuple[int, int, int], num_classes: int) -> nn.Sequential:
+        in_features = math.prod(input_shape)
+        blocks = [self._block(self.width) for _ in range(self.depth)]
+        return nn.Sequential(
+            nn.Flatten(),
+            self._block(in_features),
+            *blocks,
+            nn.Linear(self.width, num_classes),
+        )

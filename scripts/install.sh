@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Create .venv (if missing) and install lightning_parallel with its development tools.
+#
+# PyTorch comes first and on its own: a torch that is already importable is kept; otherwise
+# torch 2.13.0 is installed (a local CPU wheel on CPU-only build machines; set TORCH_INDEX_URL,
+# e.g. to PyTorch's CPU index, to choose the build elsewhere). Installing it before the package
+# keeps pip from resolving an unpinned torch to the newest release with its CUDA packages.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+. .venv/bin/activate
+python -m pip install --quiet --upgrade pip
+if ! python -c "import torch" 2>/dev/null; then
+  if [ -n "${TORCH_INDEX_URL:-}" ]; then
+    python -m pip install --quiet "torch==2.13.0" --index-url "$TORCH_INDEX_URL"
+  else
+    python -m pip install --quiet "torch==2.13.0"
+  fi
+fi
+python -m pip install --quiet -e ".[dev]"
+python -c "import lightning_parallel, torch; print('lightning_parallel', lightning_parallel.__version__, 'torch', torch.__version__)"

@@ -1,0 +1,19 @@
+"""Shared fixtures: every test starts from a fixed seed, on one CPU thread per process."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+os.environ.setdefault("PL_DISABLE_FORK", "0")
+
+
+@pytest.fixture(autouse=True)
+def _seed() -> None:
+    torch.manual_seed(0)
+    torch.set_num_threads(1)

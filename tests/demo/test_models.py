@@ -1,0 +1,72 @@
+import pytest
+import torch
+from pytorch_lightning import Trainer
+from torch import nn
+
+from lightning_parallel.demo import MODELS, build_datamodule, build_model
+
+
+def _count(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def test_vgg_mini_is_large_and_fully_connected_heavy():
+    model = build_model("vgg_mini")
+    linear = sum(_count(m) for m in model.modules() if isinstance(m, nn.Linear))
+    assert _count(model) >= 10_000_000
+    assert linear / _count(model) > 0.9
+    with_bn = build_model("vgg_mini", batch_norm=True)
+    assert any(isinstance(m, nn.BatchNorm2d) for m in with_bn.modules())
+    assert not any(isinstance(m, nn.BatchNorm2d) for m in model.modules())
+
+
+def test_mlp_is_a_deep_stack_of_blocks():
+    model = build_model("mlp", depth=8)
+    blocks = [m for m in model.layers if isinstance(m, nn.Sequential)]
+    assert len(blocks) >= 9  # input block + 8 hidden blocks
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("data_name", ["digits", "synthetic"])
+def test_model_is_its_layer_sequence(name, data_name):
+    data = build_datamodule(
+        data_name, batch_size=8, **({"num_samples": 64} if data_name == "synthetic" else {})
+    )
+    model = build_model(name, data)
+    data.setup()
+    x, _ = next(iter(data.train_dataloader()))
+    assert isinstance(model.layers, nn.Sequential)
+    out = x
+    for layer in model.layers:
+        out = layer(out)
+    assert torch.equal(out, model(x))
+    assert out.shape == (8, data.num_classes)
+
+
+def test_bad_model_arguments_raise_at_construction():
+    with pytest.raises(ValueError, match="optimizer"):
+        build_model("convnet", optimizer="lbfgs")
+    with pytest.raises(ValueError, match="divisible by 8"):
+        build_model("vgg_mini", input_shape=(1, 12, 12))
+    with pytest.raises(ValueError, match="depth"):
+        build_model("mlp", depth=0)
+    with pytest.raises(ValueError, match="vgg_mini"):
+        build_model("resnet")
+
+
+def test_convnet_learns_digits(tmp_path):
+    data = build_datamodule("digits", batch_size=32)
+    model = build_model("convnet", data, lr=0.05)
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=4,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(model, data)
+    assert trainer.callback_metrics["val_acc"] > 0.9
+    assert trainer.callback_metrics["train_loss"] < 0.5

@@ -1,0 +1,100 @@
+import subprocess
+import sys
+
+import pytest
+
+from lightning_parallel.cli import _expand_short_names, main
+
+
+def _cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "lightning_parallel.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@pytest.mark.slow
+def test_fit_runs_a_two_process_cpu_fit_end_to_end(tmp_path):
+    result = _cli(
+        "fit",
+        "--model",
+        "convnet",
+        "--data",
+        "digits",
+        "--trainer.accelerator",
+        "cpu",
+        "--trainer.devices",
+        "2",
+        "--trainer.strategy",
+        "ddp_spawn",
+        "--trainer.max_epochs",
+        "1",
+        "--trainer.enable_progress_bar",
+        "false",
+        f"--trainer.default_root_dir={tmp_path}",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert list(tmp_path.rglob("*.ckpt")), "fit should leave a checkpoint"
+    assert (
+        list(tmp_path.rglob("metrics.csv"))
+        or list(tmp_path.rglob("events.out.*"))
+        or list(tmp_path.rglob("hparams.yaml"))
+    )
+
+
+def test_short_names_expand_to_class_paths():
+    argv, linked = _expand_short_names(["fit", "--model", "vgg_mini", "--data=digits"])
+    assert argv == [
+        "fit",
+        "--model=lightning_parallel.demo.VGGMini",
+        "--data=lightning_parallel.demo.DigitsDataModule",
+    ]
+    assert linked
+    argv, linked = _expand_short_names(["fit", "--model", "my_pkg.Model", "--data", "digits"])
+    assert not linked and argv[1] == "--model=my_pkg.Model"
+
+
+def test_unknown_model_name_names_the_choices():
+    with pytest.raises(SystemExit, match="convnet"):
+        _expand_short_names(["fit", "--model", "resnet9"])
+
+
+def test_bad_model_argument_is_a_clear_error():
+    result = _cli(
+        "fit",
+        "--model",
+        "convnet",
+        "--data",
+        "digits",
+        "--model.init_args.optimizer",
+        "lbfgs",
+        "--trainer.max_epochs",
+        "1",
+    )
+    assert result.returncode != 0
+    assert "optimizer must be one of" in result.stderr
+
+
+def test_unknown_strategy_is_a_clear_error():
+    result = _cli(
+        "fit",
+        "--model",
+        "convnet",
+        "--data",
+        "digits",
+        "--trainer.strategy",
+        "nonsense",
+        "--trainer.max_epochs",
+        "1",
+    )
+    assert result.returncode != 0
+    assert "nonsense" in result.stderr
+
+
+def test_unknown_command_and_help(capsys):
+    assert main(["frobnicate"]) == 2
+    assert "unknown command" in capsys.readouterr().err
+    assert main(["--help"]) == 0
+    assert main(["strategies"]) == 0
