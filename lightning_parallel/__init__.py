@@ -5,14 +5,24 @@
 """
 
 from lightning_parallel.__about__ import __version__
-from lightning_parallel.callbacks import CommStats
+from lightning_parallel.callbacks import CommStats, Straggler
 from lightning_parallel.comm.accounting import track_collectives
 from lightning_parallel.comm.ledger import CommLedger, process_ledger
-from lightning_parallel.strategies import register_strategy, registered_names
+from lightning_parallel.strategies import (
+    HookedDDPStrategy,
+    ModelAveragingStrategy,
+    PowerSGDDDPStrategy,
+    register_strategy,
+    registered_names,
+)
 
 __all__ = [
     "CommLedger",
     "CommStats",
+    "HookedDDPStrategy",
+    "ModelAveragingStrategy",
+    "PowerSGDDDPStrategy",
+    "Straggler",
     "__version__",
     "process_ledger",
     "register_strategy",

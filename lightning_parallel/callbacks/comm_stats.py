@@ -98,6 +98,13 @@ class CommStats(Callback):
         self.ledger.drain()  # set-up traffic (initial broadcast) is not a training step's
         self._last_step = trainer.global_step
 
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # communication after the last optimizer step (a final averaging round, a drain) still
+        # belongs to the fit: it counts in the totals, spread over the steps
+        records = self.ledger.drain()
+        self.totals.bytes_sent += sum(r.bytes_sent for r in records.values())
+        self.totals.comm_seconds += sum(r.seconds for r in records.values())
+
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:

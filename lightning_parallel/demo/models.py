@@ -115,6 +115,21 @@ def _conv_block(in_channels: int, out_channels: int, batch_norm: bool) -> nn.Seq
     return nn.Sequential(*layers)
 
 
+def _vgg_init(network: nn.Module) -> None:
+    """VGG's initialization: without it nine ReLU layers without BatchNorm do not train.
+
+    Convolutions get Kaiming-normal weights (fan-out, ReLU gain), linear layers N(0, 0.01),
+    biases zero (Simonyan & Zisserman 2015; He et al. 2015).
+    """
+    for module in network.modules():
+        if isinstance(module, nn.Conv2d):
+            nn.init.kaiming_normal_(module.weight, mode="fan_out", nonlinearity="relu")
+        elif isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, 0.0, 0.01)
+        if isinstance(module, (nn.Conv2d, nn.Linear)) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+
 class VGGMini(DemoClassifier):
     """A small VGG: six 3x3 convolutions in three stages, then three large linear layers.
 
@@ -125,13 +140,15 @@ class VGGMini(DemoClassifier):
         width: channels of the first convolution stage (doubled at each stage).
         fc_width: width of the first hidden linear layer (the second has a quarter).
         batch_norm: put BatchNorm after every convolution.
-        **kwargs: see :class:`DemoClassifier`.
+        **kwargs: see :class:`DemoClassifier` (``lr`` defaults to 0.02 here).
     """
 
     def __init__(
         self, width: int = 32, fc_width: int = 4096, batch_norm: bool = False, **kwargs: Any
     ) -> None:
         self.width, self.fc_width, self.batch_norm = width, fc_width, batch_norm
+        # 0.05 diverges without BatchNorm; 0.02 trained best of {0.01, 0.02, 0.05} on digits
+        kwargs.setdefault("lr", 0.02)
         super().__init__(**kwargs)
 
     def build_layers(self, input_shape: tuple[int, int, int], num_classes: int) -> nn.Sequential:
@@ -140,7 +157,7 @@ class VGGMini(DemoClassifier):
             raise ValueError(f"vgg_mini needs height and width divisible by 8, got {input_shape}")
         w, bn = self.width, self.batch_norm
         flat = 4 * w * (height // 8) * (width // 8)
-        return nn.Sequential(
+        layers = nn.Sequential(
             _conv_block(channels, w, bn),
             _conv_block(w, w, bn),
             nn.MaxPool2d(2),
@@ -155,6 +172,8 @@ class VGGMini(DemoClassifier):
             nn.Sequential(nn.Linear(self.fc_width, self.fc_width // 4), nn.ReLU()),
             nn.Linear(self.fc_width // 4, num_classes),
         )
+        _vgg_init(layers)
+        return layers
 
 
 class ConvNet(DemoClassifier):

@@ -1,0 +1,66 @@
+"""The one-method base class of every model-averaging algorithm."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+from torch import Tensor
+
+__all__: list[str] = []
+
+
+class Averager(ABC):
+    """Turn this worker's replica and the replicas' mean into the point it restarts from.
+
+    An averager is pure arithmetic: the communication that produces the mean ``x̄ = (1/M)·Σ_i x_i``
+    of the ``M`` replicas is done by :class:`~lightning_parallel.averaging.ReplicaAveraging`, which
+    then calls :meth:`update` once per round with lists of tensors shaped like the model's
+    trainable parameters (in ``module.parameters()`` order).
+
+    Subclasses with state (a global model, a block momentum, a center variable, an outer
+    optimizer) create it in :meth:`reset`, which is called once when the replicas agree (at the
+    start of local training), and save it with :meth:`state_dict`, so that a resumed run
+    continues exactly.
+    """
+
+    #: ``False`` for algorithms that never average during training (one-shot averaging).
+    averages_during_training: ClassVar[bool] = True
+    #: ``True`` when every worker restarts from the same point after a round (the replicas then
+    #: agree until the next step, and evaluating them needs no communication).
+    restarts_in_consensus: ClassVar[bool] = True
+
+    def __init__(self) -> None:
+        self.world_size: int | None = None
+
+    @property
+    def started(self) -> bool:
+        """Whether :meth:`reset` (or :meth:`load_state_dict`) has created the state."""
+        return self.world_size is not None
+
+    def reset(self, start: Sequence[Tensor], world_size: int) -> None:
+        """Start from ``start``, the parameters every replica holds now (``world_size`` workers)."""
+        self.world_size = world_size
+
+    @abstractmethod
+    def update(self, local: Sequence[Tensor], mean: Sequence[Tensor]) -> list[Tensor]:
+        """Return the parameters this worker restarts from after a round.
+
+        Args:
+            local: this worker's replica ``x_i`` at the end of the round (do not modify).
+            mean: the mean ``x̄`` of all replicas (do not modify).
+        """
+
+    def state_dict(self) -> dict[str, Any]:
+        """The averager's state, identical on every rank (saved once in the checkpoint)."""
+        return {"world_size": self.world_size}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        self.world_size = state.get("world_size")
+
+
+def clone_all(tensors: Sequence[Tensor]) -> list[Tensor]:
+    """Detached copies of ``tensors`` (state that must not alias the model)."""
+    return [tensor.detach().clone() for tensor in tensors]

@@ -1,0 +1,84 @@
+"""Synchronous elastic averaging (EASGD): replicas and a center variable pull on each other."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+from lightning_parallel.averaging.averager import Averager, clone_all
+
+__all__: list[str] = []
+
+
+class ElasticAverager(Averager):
+    """Pull every replica toward a center variable and the center toward the replicas (EASGD).
+
+    Algorithm (center ``x̃``, ``M`` workers, every ``H`` local steps):
+
+    1. each worker moves toward the center: ``x_i ← x_i − α·(x_i − x̃)``;
+    2. the center moves toward the workers: ``x̃ ← x̃ + β·(x̄ − x̃)``, which with the paper's
+       ``β = M·α`` is ``x̃ ← x̃ + α·Σ_i (x_i − x̃)``.
+
+    Both steps use the values from before the round (the paper's simultaneous update), unless
+    ``center_first=True``, which moves the center first and pulls the workers toward the new
+    center. The elastic force lets the workers explore away from the center; the paper advises
+    ``β = M·α ≈ 0.9``. ``α = 1/M`` (``β = 1``) makes the center the periodic average of each
+    round, ``x̃ ← x̄``; ``α = β = 1`` with ``center_first`` is periodic averaging exactly.
+    Zhang, Choromanska, LeCun, "Deep learning with Elastic Averaging SGD", NeurIPS 2015.
+
+    Args:
+        alpha: the workers' moving rate ``α`` in ``(0, 1]``; ``None`` for ``β/M``.
+        beta: the center's moving rate ``β`` in ``(0, 1]``.
+        center_first: update the center before pulling the workers toward it.
+    """
+
+    restarts_in_consensus: ClassVar[bool] = False  # each worker keeps part of its own replica
+
+    def __init__(
+        self, alpha: float | None = None, beta: float = 0.9, center_first: bool = False
+    ) -> None:
+        super().__init__()
+        if alpha is not None and not 0.0 < alpha <= 1.0:
+            raise ValueError(f"alpha must be in (0, 1], got {alpha}; use None for beta / M")
+        if not 0.0 < beta <= 1.0:
+            raise ValueError(f"beta must be in (0, 1], got {beta}; the paper uses 0.9")
+        self.alpha_setting = alpha
+        self.beta = float(beta)
+        self.center_first = bool(center_first)
+        self.center: list[Tensor] = []
+
+    @property
+    def alpha(self) -> float:
+        """The workers' moving rate in use (``β/M`` unless set)."""
+        if self.alpha_setting is not None:
+            return self.alpha_setting
+        if self.world_size is None:
+            raise RuntimeError("ElasticAverager.reset() must run before its first round")
+        return self.beta / self.world_size
+
+    def reset(self, start: Sequence[Tensor], world_size: int) -> None:
+        super().reset(start, world_size)
+        self.center = clone_all(start)
+
+    def update(self, local: Sequence[Tensor], mean: Sequence[Tensor]) -> list[Tensor]:
+        alpha = self.alpha
+        restart = []
+        for center, replica, average in zip(self.center, local, mean, strict=True):
+            # lerp(a, b, w) = a + w·(b − a), and exactly b when w = 1.
+            if self.center_first:
+                center.lerp_(average, self.beta)
+                restart.append(torch.lerp(replica, center, alpha))
+            else:
+                restart.append(torch.lerp(replica, center, alpha))
+                center.lerp_(average, self.beta)
+        return restart
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "center": clone_all(self.center)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.center = clone_all(state["center"])

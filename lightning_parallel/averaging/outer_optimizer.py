@@ -1,0 +1,118 @@
+"""Outer optimizers (SlowMo, DiLoCo, Lookahead): torch.optim on the pseudo-gradient."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from lightning_parallel.averaging.averager import Averager, clone_all
+
+__all__: list[str] = []
+
+#: Builds the outer optimizer over the global model's tensors.
+OuterOptimizerFactory = Callable[[list[Tensor]], Optimizer]
+
+
+class OuterOptimizerAverager(Averager):
+    """Step an outer optimizer on the global model with the round's pseudo-gradient.
+
+    Algorithm (global model ``x_g``, outer optimizer ``O``, ``M`` workers):
+
+    1. the workers take ``H`` inner steps from ``x_g`` with their own optimizer; mean ``x̄``;
+    2. the pseudo-gradient is ``g = x_g − x̄`` (the direction the workers moved, negated);
+    3. ``O`` takes one step on ``x_g`` with gradient ``g``;
+    4. every worker restarts from ``x_g``.
+
+    Instances of the family:
+
+    - DiLoCo (Douillard et al., "DiLoCo: Distributed Low-Communication Training of Language
+      Models", 2023): ``O`` = SGD with Nesterov momentum, lr 0.7, momentum 0.9
+      (:func:`diloco_outer_optimizer`), inner AdamW;
+    - SlowMo (Wang, Tantia, Ballas, Rabbat, "SlowMo: Improving Communication-Efficient
+      Distributed SGD with Slow Momentum", ICLR 2020): ``O`` = SGD with momentum ``β`` and
+      slow learning rate ``α`` (:func:`slowmo_outer_optimizer`);
+    - Lookahead (Zhang, Lucas, Hinton, Ba, "Lookahead Optimizer: k steps forward, 1 step back",
+      NeurIPS 2019), with ``M`` workers: ``O`` = SGD with lr ``α``, no momentum
+      (:func:`lookahead_outer_optimizer`).
+
+    Plain SGD with lr 1 and no momentum gives ``x_g ← x̄``: periodic averaging.
+
+    Args:
+        optimizer: builds the outer optimizer from a list of tensors shaped like the model's
+            trainable parameters, e.g. ``lambda params: torch.optim.SGD(params, lr=0.7)``.
+
+    Example::
+
+        averager = OuterOptimizerAverager(
+            lambda params: torch.optim.Adam(params, lr=0.1, betas=(0.9, 0.95))
+        )
+    """
+
+    def __init__(self, optimizer: OuterOptimizerFactory) -> None:
+        super().__init__()
+        if not callable(optimizer):
+            raise TypeError(
+                "optimizer must build a torch.optim.Optimizer from a list of tensors, e.g. "
+                "lambda params: torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)"
+            )
+        self.optimizer_factory = optimizer
+        self.global_model: list[Tensor] = []
+        self.optimizer: Optimizer | None = None
+
+    def reset(self, start: Sequence[Tensor], world_size: int) -> None:
+        super().reset(start, world_size)
+        self.global_model = clone_all(start)
+        self.optimizer = self._build_optimizer()
+
+    def _build_optimizer(self) -> Optimizer:
+        optimizer = self.optimizer_factory(self.global_model)
+        if not isinstance(optimizer, Optimizer):
+            raise TypeError(
+                f"the outer optimizer factory returned {type(optimizer).__name__}; "
+                "it must return a torch.optim.Optimizer over the tensors it is given"
+            )
+        return optimizer
+
+    def update(self, local: Sequence[Tensor], mean: Sequence[Tensor]) -> list[Tensor]:
+        if self.optimizer is None:
+            raise RuntimeError("OuterOptimizerAverager.reset() must run before its first round")
+        for global_model, average in zip(self.global_model, mean, strict=True):
+            global_model.grad = global_model - average
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return clone_all(self.global_model)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            **super().state_dict(),
+            "global_model": clone_all(self.global_model),
+            "outer_optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.global_model = clone_all(state["global_model"])
+        self.optimizer = self._build_optimizer()
+        if state.get("outer_optimizer") is not None:
+            self.optimizer.load_state_dict(state["outer_optimizer"])
+
+
+def diloco_outer_optimizer(lr: float = 0.7, momentum: float = 0.9) -> OuterOptimizerFactory:
+    """DiLoCo's outer optimizer: SGD with Nesterov momentum (lr 0.7, momentum 0.9)."""
+    return lambda params: torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=True)
+
+
+def slowmo_outer_optimizer(
+    slow_learning_rate: float = 1.0, slow_momentum: float = 0.5
+) -> OuterOptimizerFactory:
+    """SlowMo's outer optimizer: SGD with heavy-ball momentum ``β`` and slow learning rate ``α``."""
+    return lambda params: torch.optim.SGD(params, lr=slow_learning_rate, momentum=slow_momentum)
+
+
+def lookahead_outer_optimizer(alpha: float = 0.5) -> OuterOptimizerFactory:
+    """Lookahead's outer step: ``x_g ← x_g + α·(x̄ − x_g)``, SGD with lr ``α`` and no momentum."""
+    return lambda params: torch.optim.SGD(params, lr=alpha)

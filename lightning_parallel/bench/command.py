@@ -1,0 +1,117 @@
+"""``lightning-parallel bench``: train one model under several strategies on a simulated cluster.
+
+Example::
+
+    lightning-parallel bench -s ddp -s ddp_fp16 -s ddp_powersgd:rank=2 --hosts 2 \\
+        --bandwidth 1gbit --latency 1ms --model vgg_mini --data digits --max-steps 60 \\
+        --json out.json --plot out.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+from pathlib import Path
+
+from lightning_parallel.cluster.launcher import ClusterInterrupted, interrupt_on_signals
+from lightning_parallel.cluster.network import ClusterError
+
+__all__: list[str] = []
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="lightning-parallel bench",
+        description=(
+            "Train the same model on the same data for the same steps under each SPEC, each "
+            "on a fresh simulated cluster (network namespaces, shaped links), and compare. "
+            "SPEC is NAME or NAME:key=value,... (e.g. ddp_powersgd:rank=2). Needs root."
+        ),
+    )
+    parser.add_argument(
+        "-s", "--spec", action="append", default=[], metavar="SPEC", help="strategy (repeat)"
+    )
+    parser.add_argument("--hosts", type=int, default=2)
+    parser.add_argument("--procs-per-host", type=int, default=1)
+    parser.add_argument("--bandwidth", default="1gbit", help="per host and direction (tc units)")
+    parser.add_argument("--latency", default="1ms", help="one-way delay per host (e.g. 1ms, 0)")
+    parser.add_argument(
+        "--model", default="vgg_mini", help="vgg_mini | convnet | mlp, with options NAME:k=v,..."
+    )
+    parser.add_argument(
+        "--data", default="digits", help="digits | synthetic, with options NAME:k=v,..."
+    )
+    length = parser.add_mutually_exclusive_group()
+    length.add_argument("--max-steps", type=int, default=None, help="default 200")
+    length.add_argument("--epochs", type=int, default=None)
+    parser.add_argument("--batch-size", type=int, default=32, help="per process")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--target-acc", type=float, default=0.9)
+    parser.add_argument("--straggler", default=None, metavar="RANK:FACTOR")
+    parser.add_argument("--warmup-steps", type=int, default=5, help="excluded from step times")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
+    parser.add_argument("--json", type=Path, default=None, help="write the BENCH.md JSON here")
+    parser.add_argument("--plot", type=Path, default=None, help="write the PNG plot here")
+    parser.add_argument("--log-dir", type=Path, default=None, help="per-run worker logs")
+    parser.add_argument("--list", action="store_true", help="list the known SPEC names")
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    """Parse ``argv`` (after ``bench``), run, report; 0 when every run succeeded, else 1."""
+    args = _parser().parse_args(argv)
+    from rich.console import Console
+
+    from lightning_parallel.bench.report import plot, print_table, write_json
+    from lightning_parallel.bench.runner import BenchConfig, run_benchmark
+    from lightning_parallel.bench.specs import available
+
+    console = Console(width=None if sys.stdout.isatty() else 200)
+    if args.list:
+        for name, description in available().items():
+            console.print(f"{name:34s} {description}", markup=False, highlight=False)
+        return 0
+    config = BenchConfig(
+        hosts=args.hosts,
+        bandwidth=args.bandwidth,
+        latency=args.latency,
+        model=args.model,
+        data=args.data,
+        max_steps=args.max_steps if args.max_steps or args.epochs else 200,
+        epochs=args.epochs,
+        batch_size=args.batch_size,
+        seed=args.seed,
+        target_acc=args.target_acc,
+        straggler=args.straggler,
+        procs_per_host=args.procs_per_host,
+        warmup_steps=args.warmup_steps,
+        timeout=args.timeout,
+    )
+    warnings.filterwarnings("ignore", "latency .* is NOT emulated", RuntimeWarning)
+    try:
+        with interrupt_on_signals():
+            result = run_benchmark(
+                args.spec or ["ddp"],
+                config,
+                log_dir=args.log_dir,
+                progress=lambda line: console.print(line, markup=False, highlight=False),
+            )
+    except (ValueError, ClusterError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    except ClusterInterrupted as interrupt:
+        print(f"error: {interrupt}; hosts stopped and namespaces removed", file=sys.stderr)
+        return 128 + interrupt.signum
+    print_table(result, console)
+    if args.json is not None:
+        write_json(result, args.json)
+        console.print(f"wrote {args.json}")
+    if args.plot is not None:
+        plot(result, args.plot)
+        console.print(f"wrote {args.plot}")
+    return 0 if all(run["ok"] for run in result["runs"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

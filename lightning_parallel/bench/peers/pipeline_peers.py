@@ -1,0 +1,324 @@
+"""Pipeline peers for the benchmark: ``torch_gpipe``, ``torch_1f1b`` and ``deepspeed_pipe``.
+
+``torch.distributed.pipelining`` run the way its documentation tells users to: the model cut
+into stages with the same number of layers (``partition="even"``), one ``PipelineStage`` per
+rank, ``ScheduleGPipe`` or ``Schedule1F1B`` over the micro-batches; with several groups, the
+stage gradients are averaged across groups after the whole step (nothing overlaps backward).
+Everything Lightning-facing (the unchanged ``training_step`` as the loss function, logging,
+checkpoints, evaluation) is :class:`~lightning_parallel.strategies.gropipe.GroPipeStrategy`'s,
+so the table compares engines and partitions, not integrations. Importing this module also
+registers ``gropipe`` with Lightning (the benchmark imports every peer module).
+
+``deepspeed_pipe`` is DeepSpeed's ``PipelineEngine`` as its documentation sets it up: a
+``PipelineModule`` over the same layers with the default ``partition_method="parameters"``,
+``engine.train_batch`` over ``m`` micro-batches (its own 1F1B-style schedule, then one
+gradient allreduce across data-parallel replicas after all micro-batches, then its optimizer
+step with the Lightning optimizer). Its placement is DeepSpeed's (stage-major ranks), its loss is
+cross-entropy on ``(x, y)`` batches (the demo models'), and it needs ``DS_ACCELERATOR=cpu``
+(set here when unset) and gloo on CPU. Evaluation runs the whole model on every rank after the
+stages' weights are gathered.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_parallel.bench.specs import register_baseline
+from lightning_parallel.comm.ledger import process_ledger
+from lightning_parallel.pipeline.grad_sync import SyncTiming
+from lightning_parallel.pipeline.microbatch import merge_microbatches
+from lightning_parallel.pipeline.runtime import StepStatistics
+from lightning_parallel.pipeline.summary import SummaryResult
+from lightning_parallel.strategies.gropipe import GroPipeStrategy, _Pipeline
+
+__all__: list[str] = []
+
+
+class TorchPipeliningStrategy(GroPipeStrategy):
+    """GroPipe's Lightning integration driving ``torch.distributed.pipelining`` instead.
+
+    Args:
+        stages: pipeline stages per group.
+        micro_batches: micro-batches per batch.
+        schedule: ``"gpipe"`` (``ScheduleGPipe``) or ``"1f1b"`` (``Schedule1F1B``).
+        **kwargs: passed to :class:`GroPipeStrategy` (``start_method``, ...).
+    """
+
+    def __init__(
+        self, stages: int = 2, micro_batches: int = 8, schedule: str = "gpipe", **kwargs: Any
+    ) -> None:
+        kwargs.setdefault("partition", "even")
+        kwargs.setdefault("deferred_batch_norm", False)
+        super().__init__(stages=stages, micro_batches=micro_batches, schedule=schedule, **kwargs)
+        self._torch_schedule: Any = None
+        self._torch_count = 0
+
+    def _build_schedule(
+        self, pipeline: _Pipeline, count: int, loss: Callable[[Tensor, Tensor], Tensor]
+    ) -> Any:
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+        assert self._topology is not None and self._groups is not None
+        group = self._groups.pipeline
+        stage = PipelineStage(
+            pipeline.stages[self.stage_index],
+            self.stage_index,
+            self.stages,
+            self.root_device,
+            group=group,
+        )
+        # our placement puts the last stage first; tell torch which group rank holds each stage
+        ranks = self._topology.pipeline_ranks(self.group_index)
+        assert group is not None
+        stage.stage_index_to_group_rank = {
+            k: dist.get_group_rank(group, r) for k, r in enumerate(ranks)
+        }  # type: ignore[arg-type]
+        kind = ScheduleGPipe if self.schedule.name == "gpipe" else Schedule1F1B
+        return kind(stage, n_microbatches=count, loss_fn=loss, scale_grads=False)
+
+    def _run_training(
+        self,
+        pipeline: _Pipeline,
+        batch: Any,
+        count: int,
+        inputs: list[tuple[Any, ...]] | None,
+        loss_fn: Callable[[int, Any], Tensor],
+    ) -> StepStatistics:
+        stats = StepStatistics()
+        length = _batch_length(batch)
+        chunk_of = {int(c[0]): i for i, c in enumerate(torch.arange(length).tensor_split(count))}
+
+        def loss(output: Tensor, target: Tensor) -> Tensor:
+            if not getattr(self._torch_schedule, "_stage_backward_initialized", True):
+                # torch's first-step metadata inference: shapes only, no user code, no gradient
+                return output.float().sum() * 0.0
+            # torch splits ``target`` (sample positions) like the batch: its first one tells which
+            index = chunk_of[int(target[0])]
+            value = loss_fn(index, output)
+            stats.losses[index] = value.detach()
+            return value
+
+        if self._torch_schedule is None or self._torch_count != count:
+            self._torch_schedule = self._build_schedule(pipeline, count, loss)
+            self._torch_count = count
+        else:
+            self._torch_schedule._loss_fn = loss
+        first, last = self.stage_index == 0, self.stage_index == self.stages - 1
+        target = torch.arange(length, device=self.root_device) if last else None
+        start = time.perf_counter()
+        with _original_point_to_point():
+            if first:
+                assert inputs is not None
+                arguments = merge_microbatches(list(inputs))
+                self._torch_schedule.step(*arguments, target=target, losses=[])
+            else:
+                self._torch_schedule.step(target=target, losses=[])
+        stats.step_seconds = time.perf_counter() - start
+        return stats
+
+    def _finish_gradients(self, pipeline: _Pipeline) -> SyncTiming:
+        """Average the stage's gradients across groups, after the pipeline (blocking)."""
+        if self.groups == 1 or self._groups is None:
+            return SyncTiming()
+        grads = [p.grad for p in pipeline.owned_parameters[self.stage_index] if p.grad is not None]
+        if not grads:
+            return SyncTiming()
+        start = time.perf_counter()
+        bucket = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(bucket, group=self._groups.data_parallel)
+        bucket /= self.groups
+        offset = 0
+        for grad in grads:
+            grad.copy_(bucket[offset : offset + grad.numel()].view_as(grad))
+            offset += grad.numel()
+        seconds = time.perf_counter() - start
+        return SyncTiming(seconds, seconds, bucket.numel() * bucket.element_size(), start)
+
+    def _record(self, summary: SummaryResult, stats: StepStatistics, count: int) -> None:
+        self.last_summary = summary
+        ledger = process_ledger()
+        ledger.set_gauge("pipeline_step_seconds", max(summary.step_seconds))
+        if self.groups > 1:
+            ledger.set_gauge("allreduce_seconds", sum(summary.sync_seconds))
+            ledger.set_gauge("allreduce_exposed_seconds", sum(summary.exposed_seconds))
+
+
+@contextmanager
+def _original_point_to_point() -> Iterator[None]:
+    """Give torch.distributed.pipelining the real ``isend``/``irecv``.
+
+    ``dist.P2POp`` insists on ``op is torch.distributed.isend``; byte accounting
+    (:func:`~lightning_parallel.comm.accounting.track_collectives`) wraps that attribute, so the
+    originals are put back for the step (``batch_isend_irecv``, which carries the bytes, stays
+    counted).
+    """
+    from torch.distributed import distributed_c10d
+
+    current = dist.isend, dist.irecv
+    dist.isend, dist.irecv = distributed_c10d.isend, distributed_c10d.irecv  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        dist.isend, dist.irecv = current  # type: ignore[attr-defined]
+
+
+def _batch_length(batch: Any) -> int:
+    if isinstance(batch, Tensor):
+        return len(batch)
+    if isinstance(batch, (list, tuple)):
+        return _batch_length(batch[0])
+    if isinstance(batch, dict):
+        return _batch_length(next(iter(batch.values())))
+    raise TypeError(f"cannot tell the size of a batch of type {type(batch).__name__}")
+
+
+class DeepSpeedPipeStrategy(GroPipeStrategy):
+    """DeepSpeed's PipelineEngine inside Lightning's loop (see the module docstring).
+
+    Args:
+        stages: pipeline stages per data-parallel replica.
+        micro_batches: micro-batches per batch (DeepSpeed's gradient accumulation steps).
+        partition_method: DeepSpeed's ``partition_method`` (default ``"parameters"``).
+        **kwargs: passed to :class:`GroPipeStrategy` (``start_method``, ...).
+    """
+
+    def __init__(
+        self,
+        stages: int = 2,
+        micro_batches: int = 8,
+        partition_method: str = "parameters",
+        **kwargs: Any,
+    ) -> None:
+        kwargs.setdefault("deferred_batch_norm", False)
+        super().__init__(stages=stages, micro_batches=micro_batches, partition="even", **kwargs)
+        self.partition_method = partition_method
+        self._engine: Any = None
+        self._layers: list[torch.nn.Module] = []
+        self._parts: list[int] = []
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # DeepSpeed's grid is stage-major: rank = stage * groups + replica
+        return {"num_replicas": self.groups, "rank": self.global_rank % self.groups}
+
+    def _build_engine(self, batch_size: int) -> Any:
+        import os
+
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        try:
+            import deepspeed
+            from deepspeed.pipe import PipelineModule
+        except ImportError as error:
+            raise ImportError(
+                "deepspeed_pipe needs DeepSpeed: pip install 'lightning-parallel[bench]'"
+            ) from error
+        import torch.nn.functional as F
+
+        module = self.lightning_module
+        assert module is not None
+        deepspeed.init_distributed(dist_backend=dist.get_backend())
+        body = self._body
+        self._layers = list(body) if isinstance(body, torch.nn.Sequential) else [body]
+        pipe = PipelineModule(
+            layers=self._layers,
+            num_stages=self.stages,
+            loss_fn=F.cross_entropy,
+            partition_method=self.partition_method,
+        )
+        self._parts = [int(p) for p in pipe.parts]
+        micro = batch_size // self.micro_batches
+        config = {
+            "train_micro_batch_size_per_gpu": micro,
+            "gradient_accumulation_steps": self.micro_batches,
+            "train_batch_size": micro * self.micro_batches * self.groups,
+            "steps_per_print": 10**9,
+        }
+        optimizer = self.optimizers[0]
+        optimizer = getattr(optimizer, "_optimizer", optimizer)
+        engine, _, _, _ = deepspeed.initialize(model=pipe, optimizer=optimizer, config=config)
+        return engine
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        batch = args[0]
+        length = _batch_length(batch)
+        if length % self.micro_batches:
+            raise ValueError(
+                f"deepspeed_pipe needs batches divisible by micro_batches={self.micro_batches}, "
+                f"got {length} samples"
+            )
+        if self._engine is None:
+            self._engine = self._build_engine(length)
+        x, y = batch[0], batch[1]
+        chunks = list(zip(x.chunk(self.micro_batches), y.chunk(self.micro_batches)))
+        start = time.perf_counter()
+        loss = self._engine.train_batch(data_iter=iter(chunks))
+        process_ledger().set_gauge("pipeline_step_seconds", time.perf_counter() - start)
+        module = self.lightning_module
+        assert module is not None
+        value = torch.as_tensor(loss, dtype=torch.float32).detach().reshape(())
+        module.log("train_loss", value, prog_bar=True)
+        return value
+
+    def optimizer_step(
+        self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any
+    ) -> Any:
+        """DeepSpeed stepped the optimizer inside ``train_batch``: only run the closure."""
+        return closure()
+
+    def consolidate(self) -> None:
+        if self._engine is None or self.world_size == 1:
+            return
+        from lightning_parallel.pipeline.consolidate import broadcast_stage_state, stage_tensors
+
+        stages = [
+            [
+                t
+                for layer in self._layers[self._parts[k] : self._parts[k + 1]]
+                for t in stage_tensors(layer)
+            ]
+            for k in range(self.stages)
+        ]
+        owners = [self._engine.grid.stage_to_global(stage_id=k, data=0) for k in range(self.stages)]
+        broadcast_stage_state(stages, owners, int(self._engine.stage_id))
+
+    def on_validation_start(self) -> None:
+        self.consolidate()
+
+    def _evaluation_step(self, hook: str, context: Callable[[], Any], args: tuple[Any, ...]) -> Any:
+        module = self.lightning_module
+        assert module is not None
+        with context():
+            return getattr(module, hook)(*args)
+
+
+def torch_gpipe(**options: Any) -> TorchPipeliningStrategy:
+    """``torch.distributed.pipelining.ScheduleGPipe`` on an even split by layer count."""
+    return TorchPipeliningStrategy(schedule="gpipe", **options)
+
+
+def torch_1f1b(**options: Any) -> TorchPipeliningStrategy:
+    """``torch.distributed.pipelining.Schedule1F1B`` on an even split by layer count."""
+    return TorchPipeliningStrategy(schedule="1f1b", **options)
+
+
+def deepspeed_pipe(**options: Any) -> DeepSpeedPipeStrategy:
+    """DeepSpeed's PipelineEngine with its default ``parameters`` partition."""
+    return DeepSpeedPipeStrategy(**options)
+
+
+register_baseline(
+    "deepspeed_pipe", deepspeed_pipe, "DeepSpeed PipelineEngine, partition_method='parameters'"
+)
+register_baseline(
+    "torch_gpipe", torch_gpipe, "torch.distributed.pipelining ScheduleGPipe, even split by layers"
+)
+register_baseline(
+    "torch_1f1b", torch_1f1b, "torch.distributed.pipelining Schedule1F1B, even split by layers"
+)

@@ -1,0 +1,304 @@
+"""Run every SPEC on a fresh simulated cluster and collect one BENCH.md record per run.
+
+For each SPEC, in order:
+
+1. the name is resolved first (a bad SPEC is recorded as a failed run at once);
+2. a new :class:`~lightning_parallel.cluster.SimulatedNetwork` is built with the configured
+   hosts, bandwidth and latency, so no run inherits another's queues or counters;
+3. the worker (``python -m lightning_parallel.bench.worker``) runs on every process slot with
+   the same model, data, seed, batch size and steps; its output goes to a log file;
+4. the per-rank JSON files are summarized (:func:`summarize`); a run whose process failed or
+   wrote no record is kept with ``ok: false`` and the error, and the next SPEC runs.
+
+Figures (see ``BENCH.md``): step times are pooled over ranks after ``warmup_steps`` steps;
+``samples_per_s`` sums each rank's samples over its steady-state time; ``wire_bytes_per_step``
+and ``reported_bytes_per_step`` are per host (the processes of a host summed), averaged over
+hosts; ``wall_s`` is the training time (train start to train end, slowest rank).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from lightning_parallel.bench.specs import build_strategy, parse_spec
+from lightning_parallel.cluster.launcher import run_on_hosts
+from lightning_parallel.cluster.network import SimulatedNetwork, check_requirements
+from lightning_parallel.cluster.units import parse_bandwidth, parse_latency, parse_straggler
+
+__all__: list[str] = []
+
+
+@dataclass
+class BenchConfig:
+    """What every run of one benchmark shares: network, model, data, steps, seed.
+
+    Exactly one of ``max_steps`` and ``epochs`` is set.
+    """
+
+    hosts: int = 2
+    bandwidth: str = "1gbit"
+    latency: str = "1ms"
+    model: str = "vgg_mini"
+    data: str = "digits"
+    max_steps: int | None = 200
+    epochs: int | None = None
+    batch_size: int = 32
+    seed: int = 0
+    target_acc: float = 0.9
+    straggler: str | None = None
+    procs_per_host: int = 1
+    warmup_steps: int = 5
+    timeout: float = 900.0
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the fix for any inconsistent setting."""
+        if self.hosts < 1 or self.procs_per_host < 1:
+            raise ValueError("hosts and procs_per_host must be >= 1")
+        if (self.max_steps is None) == (self.epochs is None):
+            raise ValueError("give exactly one of max_steps and epochs")
+        if (self.max_steps is not None and self.max_steps < 1) or (
+            self.epochs is not None and self.epochs < 1
+        ):
+            raise ValueError("max_steps / epochs must be >= 1")
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+        if not 0.0 < self.target_acc <= 1.0:
+            raise ValueError(f"target_acc must be in (0, 1], got {self.target_acc}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+        parse_bandwidth(self.bandwidth)
+        parse_latency(self.latency)
+        if self.straggler is not None:
+            rank, _ = parse_straggler(self.straggler)
+            if rank >= self.world_size:
+                raise ValueError(
+                    f"straggler rank {rank} does not exist: the world size is {self.world_size}"
+                )
+
+    @property
+    def world_size(self) -> int:
+        return self.hosts * self.procs_per_host
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    position = (len(ordered) - 1) * q
+    low, high = math.floor(position), math.ceil(position)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def _failed(spec: str, name: str, world_size: int, error: str, **extra: Any) -> dict[str, Any]:
+    return {
+        "spec": spec,
+        "strategy": name,
+        "world_size": world_size,
+        "ok": False,
+        "error": error,
+        "steps": None,
+        "samples": None,
+        "step_time_s": None,
+        "samples_per_s": None,
+        "wire_bytes_per_step": None,
+        "reported_bytes_per_step": None,
+        "val_acc": None,
+        "val_loss": None,
+        "time_to_target_s": None,
+        "wall_s": None,
+        "peak_rss_mb": None,
+        "extra": {"compression_ratio": None, "bubble_fraction": None, "staleness_mean": None}
+        | extra,
+    }
+
+
+def _finite(value: float) -> float | None:
+    return value if math.isfinite(value) else None
+
+
+def summarize(
+    spec: str, name: str, records: list[dict[str, Any]], config: BenchConfig
+) -> dict[str, Any]:
+    """One BENCH.md run record from the per-rank worker records (all ``ok``)."""
+    records = sorted(records, key=lambda r: r["rank"])
+    lead = records[0]
+    steps = int(lead["steps"])
+    warmup = min(config.warmup_steps, max(0, len(lead["step_seconds"]) - 1))
+    steady = [t for r in records for t in r["step_seconds"][warmup:]]
+    samples_per_s = 0.0
+    for record in records:
+        seconds = sum(record["step_seconds"][warmup:])
+        count = len(record["step_seconds"][warmup:])
+        per_step = record["samples"] / max(1, len(record["step_seconds"]))
+        samples_per_s += per_step * count / seconds if seconds > 0 else 0.0
+    hosts = sorted({r["node_rank"] for r in records})
+    wire = [
+        r["tx_bytes"] / steps for r in records if r["local_rank"] == 0 and r["tx_bytes"] is not None
+    ]
+    reported = [
+        sum(r["reported_bytes"] for r in records if r["node_rank"] == host) / steps
+        for host in hosts
+    ]
+    validations = lead["validations"]
+    final = validations[-1] if validations else {"val_acc": math.nan, "val_loss": math.nan}
+    reached = [v["wall_s"] for v in validations if v["val_acc"] >= config.target_acc]
+    gauges = lead.get("gauges", {})
+    reported_per_step = sum(reported) / len(reported) if reported else 0.0
+    compression = gauges.get("compression_ratio")
+    if compression is None and lead.get("data_parallel") and reported_per_step > 0:
+        compression = lead["dense_allreduce_bytes"] * config.procs_per_host / reported_per_step
+    return {
+        "spec": spec,
+        "strategy": name,
+        "world_size": len(records),
+        "ok": True,
+        "error": None,
+        "steps": steps,
+        "samples": sum(r["samples"] for r in records),
+        "step_time_s": {
+            "median": _percentile(steady, 0.5),
+            "p10": _percentile(steady, 0.1),
+            "p90": _percentile(steady, 0.9),
+        },
+        "samples_per_s": samples_per_s,
+        "wire_bytes_per_step": sum(wire) / len(wire) if wire else None,
+        "reported_bytes_per_step": reported_per_step,
+        "val_acc": _finite(final["val_acc"]),
+        "val_loss": _finite(final["val_loss"]),
+        "time_to_target_s": reached[0] if reached else None,
+        "wall_s": max(r["train_seconds"] for r in records),
+        "peak_rss_mb": max(r["peak_rss_mb"] for r in records),
+        "val_history": [[v["wall_s"], v["step"], v["val_acc"], v["val_loss"]] for v in validations],
+        "extra": {
+            "compression_ratio": compression,
+            "bubble_fraction": gauges.get("bubble_fraction"),
+            "staleness_mean": gauges.get("staleness_mean"),
+            "warmup_steps_excluded": warmup,
+            "wire_bytes_per_step_per_host": wire,
+            "reported_bytes_per_step_per_host": reported,
+            "comm_seconds_per_step": sum(r["comm_seconds"] for r in records)
+            / (len(records) * max(1, steps)),
+            "dense_allreduce_bytes_per_process": lead["dense_allreduce_bytes"],
+            "parameters": lead["parameters"],
+            "strategy_class": lead["strategy_class"],
+            "comm_hook_calls": lead.get("hook_calls"),
+            "straggler_delay_s": max(r["straggler_delay_s"] for r in records),
+            "torch_threads": max(r["torch_threads"] for r in records),
+            "gauges": gauges,
+        },
+    }
+
+
+def _worker_command(spec: str, config: BenchConfig, output: Path) -> list[str]:
+    command = [
+        sys.executable, "-m", "lightning_parallel.bench.worker",
+        "--spec", spec, "--model", config.model, "--data", config.data,
+        "--batch-size", str(config.batch_size), "--seed", str(config.seed),
+        "--output", str(output),
+    ]  # fmt: skip
+    if config.max_steps is not None:
+        command += ["--max-steps", str(config.max_steps)]
+    else:
+        command += ["--epochs", str(config.epochs)]
+    return command
+
+
+def run_spec(spec: str, config: BenchConfig, log_dir: Path) -> dict[str, Any]:
+    """Train under ``spec`` on a fresh simulated cluster; the run's BENCH.md record."""
+    started = time.perf_counter()
+    try:
+        name = parse_spec(spec).name
+        build_strategy(spec)  # bad names and options fail here, before a cluster is built
+        parse_spec(config.model)
+        parse_spec(config.data)
+    except (ValueError, TypeError) as error:
+        return _failed(spec, spec.split(":")[0], config.world_size, str(error))
+    log_path = log_dir / (re.sub(r"[^A-Za-z0-9_.=-]+", "_", spec) + ".log")
+    with tempfile.TemporaryDirectory(prefix="lp-bench-") as directory, log_path.open("w") as log:
+        output = Path(directory)
+        with SimulatedNetwork(config.hosts, config.bandwidth, config.latency) as network:
+            result = run_on_hosts(
+                network,
+                _worker_command(spec, config, output),
+                procs_per_host=config.procs_per_host,
+                straggler=config.straggler,
+                timeout=config.timeout,
+                output=log,
+            )
+            latency_emulated = network.latency_emulated
+        records = [json.loads(path.read_text()) for path in sorted(output.glob("rank*.json"))]
+    extra = {"log": str(log_path), "total_s": time.perf_counter() - started}
+    errors = [f"rank {r['rank']}: {r['error']}" for r in records if not r.get("ok")]
+    if result.returncode != 0 or errors or len(records) != config.world_size:
+        lines = [result.message if result.returncode else "a process failed"]
+        if result.returncode:
+            lines += [f"  {line}" for line in result.tail[-12:] if line.strip()]
+        lines += errors or [f"{len(records)} of {config.world_size} processes wrote a record"]
+        return _failed(spec, name, config.world_size, "\n".join(lines), **extra)
+    run = summarize(spec, name, records, config)
+    run["extra"].update(extra, latency_emulated=latency_emulated)
+    return run
+
+
+def run_benchmark(
+    specs: list[str],
+    config: BenchConfig,
+    log_dir: Path | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Run every SPEC in turn; the BENCH.md object (``config`` and ``runs``).
+
+    Raises:
+        ValueError: an inconsistent configuration (before anything runs).
+        ClusterError: the simulated cluster cannot run here (not root, no iproute2).
+    """
+    import pytorch_lightning
+    import torch
+
+    config.validate()
+    if not specs:
+        raise ValueError("give at least one SPEC, e.g. -s ddp")
+    check_requirements()
+    log_dir = log_dir or Path(tempfile.mkdtemp(prefix="lightning-parallel-bench-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    say = progress or (lambda line: None)
+    runs = []
+    for index, spec in enumerate(specs, 1):
+        say(f"[{index}/{len(specs)}] {spec}: training on {config.hosts} simulated hosts ...")
+        run = run_spec(spec, config, log_dir)
+        status = "ok" if run["ok"] else f"FAILED ({str(run['error']).splitlines()[0][:200]})"
+        say(f"[{index}/{len(specs)}] {spec}: {status} in {run['extra'].get('total_s', 0):.0f} s")
+        runs.append(run)
+    settings = asdict(config)
+    described = {
+        "hosts": config.hosts,
+        "bandwidth": config.bandwidth,
+        "latency": config.latency,
+        "model": config.model,
+        "data": config.data,
+        "max_steps": config.max_steps,
+        "seed": config.seed,
+        "straggler": config.straggler,
+        "torch": torch.__version__.split("+")[0],
+        "lightning": pytorch_lightning.__version__,
+        "cores": _cores(),
+    }
+    described.update({k: v for k, v in settings.items() if k not in described})
+    described["latency_emulated"] = all(
+        r["extra"].get("latency_emulated", True) for r in runs if r["ok"]
+    )
+    described["log_dir"] = str(log_dir)
+    return {"config": described, "runs": runs}
+
+
+def _cores() -> int:
+    import os
+
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

@@ -1,0 +1,241 @@
+"""One benchmark process: train the demo model under one SPEC and write what it measured.
+
+Run on every process of the simulated cluster by the runner::
+
+    python -m lightning_parallel.bench.worker --spec ddp --model vgg_mini --data digits \\
+        --max-steps 60 --output DIR
+
+It reads the cluster's environment (``NODE_RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
+``LOCAL_WORLD_SIZE``, ``LP_CLUSTER_HOSTS``, ``LP_CLUSTER_INTERFACE``, ``LP_STRAGGLER``), uses
+one torch thread, and writes ``DIR/rank<R>.json`` with:
+
+1. per training batch, its time from ``on_train_batch_start`` to ``on_train_batch_end``
+   (forward, backward, communication, optimizer step; data loading excluded);
+2. validation accuracy and loss at every validation, with the wall time since training began
+   (a final validation runs after fit when the last step was not validated);
+3. the host interface's kernel counter ``tx_bytes`` at train start and end (local rank 0 only:
+   the interface is the host's), the independent measure of bytes on the wire;
+4. the library's reported bytes and steps (:class:`~lightning_parallel.callbacks.CommStats`),
+   strategy gauges, comm-hook calls and straggler delay;
+5. the peak resident memory of the process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+__all__: list[str] = []
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m lightning_parallel.bench.worker")
+    parser.add_argument("--spec", required=True)
+    parser.add_argument("--model", default="vgg_mini", help="NAME[:key=value,...]")
+    parser.add_argument("--data", default="digits", help="NAME[:key=value,...]")
+    parser.add_argument("--max-steps", type=int, default=None)
+    parser.add_argument("--epochs", type=int, default=None)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output", required=True, type=Path)
+    return parser
+
+
+def _tx_bytes(interface: str | None) -> int | None:
+    if not interface:
+        return None
+    path = Path(f"/sys/class/net/{interface}/statistics/tx_bytes")
+    return int(path.read_text()) if path.exists() else None
+
+
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # kB on Linux
+
+
+def _make_probe(interface: str | None) -> Any:
+    """The callback that measures steps, validations and the interface counter."""
+    import pytorch_lightning as pl
+    from pytorch_lightning.trainer.states import TrainerFn
+
+    class Probe(pl.Callback):
+        def __init__(self) -> None:
+            self.step_seconds: list[float] = []
+            self.samples = 0
+            self.validations: list[dict[str, float]] = []
+            self.train_start = 0.0
+            self.train_seconds = 0.0
+            self.tx_start: int | None = None
+            self.tx_end: int | None = None
+            self._batch_start = 0.0
+            self._validation_start = 0.0
+
+        def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            self.tx_start = _tx_bytes(interface)
+            self.train_start = time.perf_counter()
+
+        def on_train_batch_start(
+            self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+        ) -> None:
+            self._batch_start = time.perf_counter()
+
+        def on_train_batch_end(
+            self,
+            trainer: pl.Trainer,
+            pl_module: pl.LightningModule,
+            outputs: Any,
+            batch: Any,
+            batch_idx: int,
+        ) -> None:
+            self.step_seconds.append(time.perf_counter() - self._batch_start)
+            first = batch[0] if isinstance(batch, (list, tuple)) else batch
+            self.samples += len(first)
+
+        def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            self._validation_start = time.perf_counter()
+
+        def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            if trainer.sanity_checking:
+                return
+            now = time.perf_counter()
+            if trainer.state.fn == TrainerFn.VALIDATING:  # the extra validation after fit
+                wall = self.train_seconds + now - self._validation_start
+            else:
+                wall = now - self.train_start
+            metrics = trainer.callback_metrics
+            self.validations.append(
+                {
+                    "wall_s": wall,
+                    "step": float(trainer.global_step),
+                    "val_acc": float(metrics["val_acc"]) if "val_acc" in metrics else float("nan"),
+                    "val_loss": float(metrics["val_loss"])
+                    if "val_loss" in metrics
+                    else float("nan"),
+                }
+            )
+
+        def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            self.train_seconds = time.perf_counter() - self.train_start
+            self.tx_end = _tx_bytes(interface)
+
+    return Probe()
+
+
+def train(args: argparse.Namespace) -> dict[str, Any]:
+    """Train under ``args.spec`` on this process's share of the cluster; return the record."""
+    import pytorch_lightning as pl
+    import torch
+    from pytorch_lightning.strategies import DDPStrategy
+
+    from lightning_parallel.bench.specs import build_strategy, parse_spec
+    from lightning_parallel.callbacks.comm_stats import CommStats
+    from lightning_parallel.callbacks.straggler import Straggler
+    from lightning_parallel.comm.accounting import ring_allreduce_bytes
+    from lightning_parallel.comm.ledger import process_ledger
+    from lightning_parallel.demo import build_datamodule, build_model
+
+    torch.set_num_threads(1)  # hosts share the machine's cores: one thread per process
+    num_nodes = int(os.environ.get("LP_CLUSTER_HOSTS", os.environ.get("WORLD_SIZE", "1")))
+    devices = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    interface = os.environ.get("LP_CLUSTER_INTERFACE") if local_rank == 0 else None
+
+    pl.seed_everything(args.seed, workers=True, verbose=False)
+    data, model_spec = parse_spec(args.data), parse_spec(args.model)
+    datamodule = build_datamodule(
+        data.name, **{"batch_size": args.batch_size, "seed": args.seed, **data.options}
+    )
+    model = build_model(model_spec.name, data=datamodule, **model_spec.options)
+    strategy = build_strategy(args.spec)
+    stats = CommStats(log=False)
+    probe = _make_probe(interface)
+    straggler = Straggler.from_env()
+    # the straggler sleeps in on_train_batch_end before the probe reads the clock
+    callbacks: list[pl.Callback] = [stats, *([straggler] if straggler else []), probe]
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        num_nodes=num_nodes,
+        strategy=strategy,
+        max_steps=args.max_steps if args.max_steps is not None else -1,
+        max_epochs=args.epochs if args.epochs is not None else -1,
+        callbacks=callbacks,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    trainer.fit(model, datamodule=datamodule)
+    last_validated = probe.validations[-1]["step"] if probe.validations else -1.0
+    if last_validated != float(trainer.global_step):
+        trainer.validate(model, datamodule=datamodule, verbose=False)
+
+    gradient_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    gauges = dict(process_ledger().gauges)
+    return {
+        "ok": True,
+        "error": None,
+        "rank": trainer.global_rank,
+        "node_rank": trainer.node_rank,
+        "local_rank": trainer.local_rank,
+        "world_size": trainer.world_size,
+        "strategy_class": type(trainer.strategy).__name__,
+        "data_parallel": isinstance(trainer.strategy, DDPStrategy),
+        "steps": trainer.global_step,
+        "samples": probe.samples,
+        "batch_size": args.batch_size,
+        "step_seconds": probe.step_seconds,
+        "validations": probe.validations,
+        "train_seconds": probe.train_seconds,
+        "interface": interface,
+        "tx_bytes": None
+        if probe.tx_start is None or probe.tx_end is None
+        else probe.tx_end - probe.tx_start,
+        "reported_bytes": stats.totals.bytes_sent,
+        "reported_steps": stats.totals.steps,
+        "comm_seconds": stats.totals.comm_seconds,
+        "dense_allreduce_bytes": ring_allreduce_bytes(gradient_bytes, trainer.world_size),
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "gauges": gauges,
+        "hook_calls": getattr(trainer.strategy, "hook_calls", None),
+        "straggler_delay_s": straggler.delayed_seconds if straggler else 0.0,
+        "torch_threads": torch.get_num_threads(),
+        "peak_rss_mb": _peak_rss_mb(),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Train, write ``rank<R>.json``; on failure write the error there and exit 1."""
+    args = _parser().parse_args(argv)
+    if (args.max_steps is None) == (args.epochs is None):
+        print("error: give exactly one of --max-steps and --epochs", file=sys.stderr)
+        return 2
+    rank = os.environ.get("RANK", "0")
+    args.output.mkdir(parents=True, exist_ok=True)
+    target = args.output / f"rank{rank}.json"
+    try:
+        record = train(args)
+    except Exception as error:
+        traceback.print_exc()
+        record = {
+            "ok": False,
+            "error": f"{type(error).__name__}: {error}",
+            "traceback": traceback.format_exc(),
+            "rank": int(rank),
+            "peak_rss_mb": _peak_rss_mb(),
+        }
+        target.write_text(json.dumps(record))
+        return 1
+    target.write_text(json.dumps(record))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

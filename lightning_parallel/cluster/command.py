@@ -1,0 +1,121 @@
+"""``lightning-parallel cluster``: run any command on N simulated hosts behind shaped links.
+
+Example::
+
+    lightning-parallel cluster --hosts 2 --bandwidth 1gbit --latency 1ms -- \\
+        python train.py --trainer.num_nodes=2
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+
+from lightning_parallel.cluster.launcher import (
+    ClusterInterrupted,
+    interrupt_on_signals,
+    run_on_hosts,
+)
+from lightning_parallel.cluster.network import ClusterError, SimulatedNetwork
+from lightning_parallel.cluster.units import parse_bandwidth, parse_latency, parse_straggler
+
+__all__: list[str] = []
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="lightning-parallel cluster",
+        description=(
+            "Run CMD once per simulated host (each in its own network namespace, linked "
+            "through a shaped virtual network) with the multi-node environment Lightning "
+            "reads (MASTER_ADDR, MASTER_PORT, NODE_RANK, WORLD_SIZE, LOCAL_RANK, RANK, "
+            "GLOO_SOCKET_IFNAME). Needs root and iproute2."
+        ),
+        usage="%(prog)s [options] -- CMD [ARG ...]",
+    )
+    parser.add_argument("--hosts", type=int, default=2, help="number of hosts (default 2)")
+    parser.add_argument(
+        "--bandwidth", default="1gbit", help="link rate per host and direction (tc units)"
+    )
+    parser.add_argument(
+        "--latency", default="0", help="one-way delay added per host, e.g. 1ms (default 0)"
+    )
+    parser.add_argument(
+        "--procs-per-host", type=int, default=1, help="processes per host (LOCAL_RANK 0..K-1)"
+    )
+    parser.add_argument(
+        "--straggler",
+        default=None,
+        metavar="RANK:FACTOR",
+        help="global RANK computes FACTOR times slower (exported as LP_STRAGGLER)",
+    )
+    parser.add_argument("--master-port", type=int, default=29500)
+    parser.add_argument(
+        "--threads", type=int, default=1, help="OMP_NUM_THREADS per process (default 1)"
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=None, help="kill everything after this many seconds"
+    )
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    """Parse ``argv`` (the arguments after ``cluster``), run, return the exit code."""
+    parser = _parser()
+    if "--" not in argv:
+        parser.print_usage(sys.stderr)
+        print("error: give the command to run after `--`", file=sys.stderr)
+        return 2
+    split = argv.index("--")
+    args = parser.parse_args(argv[:split])
+    command = argv[split + 1 :]
+    try:
+        if not command:
+            raise ValueError("the command after `--` is empty")
+        if args.hosts < 1 or args.procs_per_host < 1 or args.threads < 1:
+            raise ValueError("--hosts, --procs-per-host and --threads must be >= 1")
+        parse_bandwidth(args.bandwidth)
+        parse_latency(args.latency)
+        if args.straggler is not None:
+            rank, _ = parse_straggler(args.straggler)
+            if rank >= args.hosts * args.procs_per_host:
+                raise ValueError(
+                    f"--straggler rank {rank} does not exist: the world size is "
+                    f"{args.hosts * args.procs_per_host}"
+                )
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    warnings.filterwarnings("ignore", "latency .* is NOT emulated", RuntimeWarning)
+    try:
+        with (
+            interrupt_on_signals(),
+            SimulatedNetwork(args.hosts, args.bandwidth, args.latency) as network,
+        ):
+            for note in network.notes:
+                print(f"warning: {note}", file=sys.stderr)
+            result = run_on_hosts(
+                network,
+                command,
+                procs_per_host=args.procs_per_host,
+                master_port=args.master_port,
+                threads=args.threads,
+                straggler=args.straggler,
+                timeout=args.timeout,
+            )
+    except ClusterError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    except ClusterInterrupted as interrupt:
+        print(f"error: {interrupt}; hosts stopped and namespaces removed", file=sys.stderr)
+        return 128 + interrupt.signum
+    if result.returncode != 0:
+        print(f"error: {result.message}; its last output:", file=sys.stderr)
+        for line in result.tail:
+            print(f"  {line}", file=sys.stderr)
+    return result.returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

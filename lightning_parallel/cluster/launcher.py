@@ -1,0 +1,267 @@
+"""Run one command per simulated host (or K per host) with the multi-node environment.
+
+:func:`run_on_hosts` starts, for host ``h`` and local rank ``l`` (``K`` processes per host,
+``N`` hosts), the command inside ``h``'s namespace with the variables that Lightning and
+``torch.distributed`` read:
+
+=====================  ===============================================
+``MASTER_ADDR``        host 0's address; ``MASTER_PORT`` a fixed port
+``NODE_RANK``          ``h``
+``LOCAL_RANK``         ``l``; ``LOCAL_WORLD_SIZE`` = ``K``
+``RANK``               ``h·K + l``; ``WORLD_SIZE`` = ``N·K``
+``GLOO_SOCKET_IFNAME`` the host's interface (gloo must not pick loopback)
+``OMP_NUM_THREADS``    threads per process (default 1: the hosts share the machine's cores)
+``LP_CLUSTER_*``       hosts, processes per host, interface, bandwidth, latency
+``LP_STRAGGLER``       ``RANK:FACTOR`` when a straggler is asked for
+=====================  ===============================================
+
+Output lines are streamed with a ``[host h]`` prefix (``[host h.l]`` with several processes
+per host). The first process that exits non-zero ends the run: the others are terminated
+(SIGTERM, then SIGKILL after a grace period) and its exit code and last output lines are
+returned. :func:`interrupt_on_signals` turns SIGINT/SIGTERM into an exception so that every
+``finally`` (process kill, namespace removal) runs.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass, field
+from types import FrameType
+from typing import IO, TextIO
+
+from lightning_parallel.cluster.network import Host, SimulatedNetwork
+
+__all__: list[str] = []
+
+STRAGGLER_ENV = "LP_STRAGGLER"
+INTERFACE_ENV = "LP_CLUSTER_INTERFACE"
+TIMEOUT_EXIT_CODE = 124
+
+
+class ClusterInterrupted(BaseException):
+    """SIGINT or SIGTERM arrived while a simulated cluster ran; everything is being cleaned up."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"interrupted by {signal.Signals(signum).name}")
+        self.signum = signum
+
+
+@contextmanager
+def interrupt_on_signals() -> Iterator[None]:
+    """Raise :class:`ClusterInterrupted` on SIGINT/SIGTERM inside the block (main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        raise ClusterInterrupted(signum)
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def cluster_environment(
+    network: SimulatedNetwork,
+    host: Host,
+    local_rank: int,
+    procs_per_host: int = 1,
+    master_port: int = 29500,
+    threads: int = 1,
+    straggler: str | None = None,
+) -> dict[str, str]:
+    """The environment variables of process ``local_rank`` on ``host`` (see the module doc)."""
+    env = {
+        "MASTER_ADDR": network.hosts[0].address,
+        "MASTER_PORT": str(master_port),
+        "NODE_RANK": str(host.index),
+        "LOCAL_RANK": str(local_rank),
+        "LOCAL_WORLD_SIZE": str(procs_per_host),
+        "RANK": str(host.index * procs_per_host + local_rank),
+        "WORLD_SIZE": str(len(network.hosts) * procs_per_host),
+        "GLOO_SOCKET_IFNAME": host.interface,
+        "OMP_NUM_THREADS": str(threads),
+        "MKL_NUM_THREADS": str(threads),
+        "PYTHONUNBUFFERED": "1",
+        INTERFACE_ENV: host.interface,
+        "LP_CLUSTER_HOSTS": str(len(network.hosts)),
+        "LP_CLUSTER_PROCS_PER_HOST": str(procs_per_host),
+        "LP_CLUSTER_BANDWIDTH": network.bandwidth,
+        "LP_CLUSTER_LATENCY": network.latency,
+        "LP_CLUSTER_LATENCY_EMULATED": "1" if network.latency_emulated else "0",
+    }
+    if straggler:
+        env[STRAGGLER_ENV] = straggler
+    return env
+
+
+@dataclass
+class _Process:
+    label: str
+    popen: subprocess.Popen[bytes]
+    tail: deque[str]
+    reader: threading.Thread | None = None
+
+
+@dataclass
+class ClusterRun:
+    """How a run on the simulated cluster ended.
+
+    Attributes:
+        returncode: 0 when every process succeeded; else the failing process's exit code
+            (``128 + signal`` when it was killed by a signal, 124 on timeout).
+        failed: label of the process that ended the run (``"host 1"``), if any.
+        tail: last output lines of that process (or of all processes on timeout).
+        message: one line describing the outcome.
+    """
+
+    returncode: int
+    failed: str | None = None
+    tail: list[str] = field(default_factory=list)
+    message: str = "all hosts finished"
+
+
+def _stream(process: _Process, output: IO[str] | None, lock: threading.Lock) -> None:
+    assert process.popen.stdout is not None
+    for raw in iter(process.popen.stdout.readline, b""):
+        line = raw.decode("utf-8", errors="replace").rstrip("\n")
+        process.tail.append(line)
+        if output is not None:
+            with lock:
+                output.write(f"[{process.label}] {line}\n")
+                output.flush()
+
+
+def _exit_code(returncode: int) -> int:
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def _signal_group(process: _Process, sig: int) -> None:
+    if process.popen.poll() is None:
+        with suppress(ProcessLookupError, PermissionError):
+            os.killpg(process.popen.pid, sig)
+
+
+def _stop(processes: list[_Process], grace: float) -> None:
+    for process in processes:
+        _signal_group(process, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and any(p.popen.poll() is None for p in processes):
+        time.sleep(0.05)
+    for process in processes:
+        _signal_group(process, signal.SIGKILL)
+        with suppress(subprocess.TimeoutExpired):
+            process.popen.wait(timeout=5)
+        if process.reader is not None:
+            process.reader.join(timeout=2)
+
+
+def run_on_hosts(
+    network: SimulatedNetwork,
+    command: Sequence[str],
+    procs_per_host: int = 1,
+    extra_env: Mapping[str, str] | None = None,
+    master_port: int = 29500,
+    threads: int = 1,
+    straggler: str | None = None,
+    timeout: float | None = None,
+    output: TextIO | None = None,
+    quiet: bool = False,
+    tail_lines: int = 40,
+    grace: float = 5.0,
+) -> ClusterRun:
+    """Run ``command`` once per process slot of every host and wait for all of them.
+
+    Args:
+        network: a created :class:`SimulatedNetwork`.
+        command: argv of the command each process runs.
+        procs_per_host: processes per host (``LOCAL_RANK`` 0..K-1).
+        extra_env: more environment variables for every process.
+        master_port: ``MASTER_PORT`` (any port: each host has a namespace of its own).
+        threads: ``OMP_NUM_THREADS``/``MKL_NUM_THREADS`` of each process.
+        straggler: ``"RANK:FACTOR"`` exported as ``LP_STRAGGLER`` for the straggler callback.
+        timeout: seconds after which every process is killed (exit code 124).
+        output: where the prefixed output lines go (default: ``sys.stdout`` at call time).
+        quiet: do not stream the output, only keep the tails.
+        tail_lines: lines of output kept per process for the failure report.
+        grace: seconds between SIGTERM and SIGKILL when stopping the other processes.
+
+    Returns:
+        A :class:`ClusterRun`; it never hangs on a dead host.
+    """
+    if not command:
+        raise ValueError("command is empty; give the program to run on every host")
+    if procs_per_host < 1:
+        raise ValueError(f"procs_per_host must be >= 1, got {procs_per_host}")
+    lock = threading.Lock()
+    sink = None if quiet else (output if output is not None else sys.stdout)
+    processes: list[_Process] = []
+    try:
+        for host in network.hosts:
+            for local_rank in range(procs_per_host):
+                env = dict(os.environ)
+                env.update(extra_env or {})
+                env.update(
+                    cluster_environment(
+                        network, host, local_rank, procs_per_host, master_port, threads, straggler
+                    )
+                )
+                label = f"host {host.index}" + (f".{local_rank}" if procs_per_host > 1 else "")
+                popen = subprocess.Popen(
+                    network.exec_argv(host, list(command)),
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,  # its own process group: killed as a whole
+                )
+                process = _Process(label, popen, deque(maxlen=tail_lines))
+                process.reader = threading.Thread(
+                    target=_stream, args=(process, sink, lock), daemon=True
+                )
+                process.reader.start()
+                processes.append(process)
+        return _wait(processes, timeout, grace)
+    finally:
+        _stop(processes, grace)
+
+
+def _wait(processes: list[_Process], timeout: float | None, grace: float) -> ClusterRun:
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        for process in processes:
+            code = process.popen.poll()
+            if code is not None and code != 0:
+                _stop([p for p in processes if p is not process], grace)
+                if process.reader is not None:
+                    process.reader.join(timeout=2)
+                return ClusterRun(
+                    _exit_code(code),
+                    process.label,
+                    list(process.tail),
+                    f"{process.label} exited with code {_exit_code(code)}; the run was stopped",
+                )
+        if all(p.popen.returncode is not None for p in processes):
+            return ClusterRun(0)
+        if deadline is not None and time.monotonic() > deadline:
+            running = [p.label for p in processes if p.popen.poll() is None]
+            _stop(processes, grace)
+            tail = [f"[{p.label}] {line}" for p in processes for line in list(p.tail)[-10:]]
+            return ClusterRun(
+                TIMEOUT_EXIT_CODE,
+                running[0] if running else None,
+                tail,
+                f"timed out after {timeout:g} s; still running: {', '.join(running)}",
+            )
+        time.sleep(0.05)

@@ -1,0 +1,606 @@
+"""Train one replica per process and average the models every ``H`` optimizer steps.
+
+:class:`ModelAveragingStrategy` is Lightning's multi-process data parallelism without the
+per-step gradient allreduce: each process trains its own replica on its own shard of the data
+and the replicas are synchronized, as models, once per round of ``period`` optimizer steps
+(local SGD, one-shot averaging, BMUF, EASGD, or an outer optimizer such as DiLoCo's). The
+algorithms and the round runner are the plain-torch :mod:`lightning_parallel.averaging`.
+
+What it guarantees, where Lightning's ``model_averaging_period`` and torch's
+``PeriodicModelAverager`` do not:
+
+1. the period counts training steps: one per batch whose optimizers stepped, however many
+   optimizers stepped in it and however many batches were accumulated into it;
+2. the first ``warmup_steps`` steps are synchronous data parallelism (gradients averaged
+   before every optimizer step, exactly as DDP), then no gradient is communicated (the model
+   is never wrapped in ``DistributedDataParallel``);
+3. validation runs on averaged models (a round runs first, or the mean of the replicas is
+   swapped in and out: ``before_validation``), every checkpoint's ``state_dict`` is the mean
+   of the replicas (the replicas are not touched: saving never changes training), and at the
+   end of ``fit`` every replica becomes the mean, so that spawn/fork's parent process receives
+   the averaged model;
+4. checkpoints carry everything needed to resume exactly under the key ``"model_averaging"``:
+   the step counter and rounds, the averager's state (global model, block momentum, center
+   variable, outer optimizer), every rank's own replica and optimizer state, and a round in
+   flight; the rest of the checkpoint is an ordinary Lightning checkpoint that loads under
+   ``ddp`` or on one device;
+5. BatchNorm buffers (``buffers``) and optimizer state (``optimizer_state``) follow a
+   policy chosen by the user; the reduction is a flat allreduce or a host-shaped tree
+   (``reduce="tree"``), blocking or overlapped with the next step (``overlap=True``);
+6. each round sets the gauges ``rounds``, ``divergence`` (``‖x_i − x̄‖`` before averaging),
+   ``bytes_per_round`` and ``round_wait_s`` in the process ledger, which ``CommStats`` logs.
+
+Registered names: ``model_averaging`` and ``local_sgd`` (periodic, ``period=8``), ``bmuf``
+(classic block momentum ``1 − 1/M``, ``period=8``), ``easgd`` (``beta=0.9``, ``period=4``),
+``diloco`` (outer Nesterov SGD lr 0.7 momentum 0.9, ``period=16``).
+
+Example::
+
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=ModelAveragingStrategy(algorithm="bmuf", period=8, start_method="fork"),
+    )
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Mapping
+from datetime import timedelta
+from typing import Any, Literal
+
+import pytorch_lightning as pl
+import torch
+import torch.distributed as dist
+from lightning_fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning_fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning_fabric.utilities.optimizer import _optimizers_to_device
+from lightning_fabric.utilities.types import _PATH
+from pytorch_lightning.overrides.distributed import _sync_module_states
+from pytorch_lightning.plugins.precision import Precision
+from pytorch_lightning.strategies import DDPStrategy
+from pytorch_lightning.trainer.states import TrainerFn
+from pytorch_lightning.utilities.rank_zero import rank_zero_warn
+from torch.nn import Module
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_parallel.averaging import (
+    Averager,
+    AveragingSchedule,
+    BlockMomentumAverager,
+    ElasticAverager,
+    OneShotAverager,
+    OuterOptimizerAverager,
+    PeriodicAverager,
+    ReplicaAveraging,
+    build_reduction,
+)
+from lightning_parallel.averaging.outer_optimizer import OuterOptimizerFactory
+from lightning_parallel.averaging.policies import (
+    BUFFER_POLICIES,
+    OPTIMIZER_STATE_POLICIES,
+    check_choice,
+)
+from lightning_parallel.averaging.reduction import REDUCE_KINDS
+from lightning_parallel.comm.tree import ranks_per_host_from_environment
+from lightning_parallel.strategies.registry import register_strategy
+
+__all__ = ["ModelAveragingStrategy"]
+
+#: Key of the averaging state in a Lightning checkpoint.
+CHECKPOINT_KEY = "model_averaging"
+
+VALIDATION_POLICIES: tuple[str, ...] = ("round", "mean")
+ALGORITHMS: tuple[str, ...] = ("periodic", "one_shot", "bmuf", "easgd", "outer_optimizer")
+_ALIASES = {"local_sgd": "periodic", "model_averaging": "periodic", "diloco": "outer_optimizer"}
+_HYPERPARAMETERS = {
+    "bmuf": ("block_momentum", "block_learning_rate", "nesterov"),
+    "easgd": ("alpha", "beta", "center_first"),
+    "outer_optimizer": ("outer_optimizer", "outer_lr", "outer_momentum", "outer_nesterov"),
+}
+
+
+class ModelAveragingStrategy(DDPStrategy):
+    """Average models, not gradients: local SGD, one-shot, BMUF, EASGD and outer optimizers.
+
+    Algorithm (``M`` processes, period ``H``, warm-up ``W``):
+
+    1. steps ``1 … W``: synchronous data parallelism, gradients averaged before each step;
+    2. afterwards each process takes ``H`` optimizer steps on its own replica ``x_i``;
+    3. the replicas are averaged, ``x̄ = (1/M)·Σ_i x_i``, and the ``algorithm`` chooses where
+       each replica restarts from: ``x̄`` (``periodic``), a block-momentum-filtered global model
+       (``bmuf``), an elastic pull toward a center variable (``easgd``), or one step of an outer
+       optimizer on the pseudo-gradient ``x_g − x̄`` (``outer_optimizer``); ``one_shot`` never
+       averages until the end of training.
+
+    When it pays: when the per-step gradient allreduce dominates the step (slow network, a
+    model with many parameters for little compute such as fully-connected layers). ``H``
+    divides the communication by ``H``; the price is the replicas' divergence, which grows with
+    ``H``, the learning rate and the spread of the data (see the ``divergence`` gauge).
+
+    Args:
+        algorithm: ``"periodic"`` (alias ``"local_sgd"``), ``"one_shot"``, ``"bmuf"``,
+            ``"easgd"``, ``"outer_optimizer"`` (alias ``"diloco"``), or an
+            :class:`~lightning_parallel.averaging.Averager` instance.
+        period: optimizer steps per round ``H`` (ignored by ``one_shot``).
+        warmup_steps: synchronous steps ``W`` before local training (post-local SGD).
+        buffers: ``"average"`` (default; BatchNorm statistics averaged with the parameters) or
+            ``"local"`` (each replica keeps its own; checkpoints hold rank 0's).
+        optimizer_state: ``"keep"`` (default; each replica keeps its momentum or moments),
+            ``"average"`` (averaged every round) or ``"reset"`` (cleared every round).
+        reduce: ``"flat"`` (default; one ring allreduce) or ``"tree"`` (inside each host, then
+            across hosts among one leader per host, then back inside).
+        overlap: start each round's reduction asynchronously and apply it one step later,
+            keeping that step's progress (default ``False``: block).
+        before_validation: ``"round"`` (default): a validation that follows local steps first
+            runs a round, validates the model training continues from, and the next round
+            comes ``period`` steps later (no extra communication; how often you validate
+            shapes the schedule); ``"mean"``: validate the mean of the replicas and restore
+            each replica afterwards (one extra model exchange per validation; training is
+            independent of validation).
+        ranks_per_host: processes per host for ``reduce="tree"``; default ``LOCAL_WORLD_SIZE``,
+            else the trainer's ``devices``.
+        block_momentum: BMUF's ``η`` (default ``1 − 1/M``).
+        block_learning_rate: BMUF's ``ζ`` (default 1).
+        nesterov: BMUF restarts from ``x_g + η·Δ`` (default ``False``).
+        alpha: EASGD's worker moving rate (default ``beta / M``).
+        beta: EASGD's center moving rate (default 0.9).
+        center_first: EASGD moves the center before pulling the workers (default ``False``).
+        outer_optimizer: name of a ``torch.optim`` class (``"sgd"``, ``"adam"``, ...) or a
+            function building an optimizer from a list of tensors (default ``"sgd"``).
+        outer_lr: outer learning rate (default 0.7, DiLoCo's).
+        outer_momentum: outer momentum for optimizers that take one (default 0.9 for SGD).
+        outer_nesterov: Nesterov outer momentum for SGD (default ``True``).
+        start_method: ``"popen"`` (default; also what externally launched processes need),
+            ``"spawn"``, ``"fork"`` or ``"forkserver"``.
+        accelerator: as Lightning's ``DDPStrategy``.
+        parallel_devices: as Lightning's ``DDPStrategy``.
+        cluster_environment: as Lightning's ``DDPStrategy``.
+        checkpoint_io: as Lightning's ``DDPStrategy``.
+        precision_plugin: as Lightning's ``DDPStrategy``.
+        process_group_backend: as Lightning's ``DDPStrategy``.
+        timeout: as Lightning's ``DDPStrategy`` (a dead peer raises after it).
+
+    Attributes:
+        averaging: the round runner while fitting (``None`` otherwise).
+    """
+
+    reports_communication = True
+
+    def __init__(
+        self,
+        algorithm: str | Averager = "periodic",
+        period: int | str | None = 8,
+        warmup_steps: int | str = 0,
+        buffers: Literal["average", "local"] = "average",
+        optimizer_state: Literal["keep", "average", "reset"] = "keep",
+        reduce: Literal["flat", "tree"] = "flat",
+        overlap: bool | str = False,
+        before_validation: Literal["round", "mean"] = "round",
+        ranks_per_host: int | str | None = None,
+        block_momentum: float | str | None = None,
+        block_learning_rate: float | str | None = None,
+        nesterov: bool | str | None = None,
+        alpha: float | str | None = None,
+        beta: float | str | None = None,
+        center_first: bool | str | None = None,
+        outer_optimizer: str | OuterOptimizerFactory | None = None,
+        outer_lr: float | str | None = None,
+        outer_momentum: float | str | None = None,
+        outer_nesterov: bool | str | None = None,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+        )
+        hyperparameters = {
+            "block_momentum": _optional_float("block_momentum", block_momentum),
+            "block_learning_rate": _optional_float("block_learning_rate", block_learning_rate),
+            "nesterov": _optional_bool("nesterov", nesterov),
+            "alpha": _optional_float("alpha", alpha),
+            "beta": _optional_float("beta", beta),
+            "center_first": _optional_bool("center_first", center_first),
+            "outer_optimizer": outer_optimizer,
+            "outer_lr": _optional_float("outer_lr", outer_lr),
+            "outer_momentum": _optional_float("outer_momentum", outer_momentum),
+            "outer_nesterov": _optional_bool("outer_nesterov", outer_nesterov),
+        }
+        self.algorithm, self._make_averager = _averager_factory(algorithm, hyperparameters)
+        self._make_averager()  # bad hyperparameters fail here, not in the worker processes
+        self.period = None if self.algorithm == "one_shot" else _optional_int("period", period)
+        if self.period is None and self.algorithm != "one_shot":
+            raise ValueError(
+                "period must be a positive integer; use algorithm='one_shot' to average only "
+                "at the end of training"
+            )
+        self.warmup_steps = _optional_int("warmup_steps", warmup_steps) or 0
+        AveragingSchedule(self.period, self.warmup_steps)  # validates both
+        # Not ``self.reduce`` / ``self.optimizer_state``: those are Strategy methods.
+        self.buffer_policy = check_choice("buffers", buffers, BUFFER_POLICIES)
+        self.optimizer_state_policy = check_choice(
+            "optimizer_state", optimizer_state, OPTIMIZER_STATE_POLICIES
+        )
+        self.reduce_kind = check_choice("reduce", reduce, REDUCE_KINDS)
+        self.overlap = bool(_optional_bool("overlap", overlap))
+        self.before_validation = check_choice(
+            "before_validation", before_validation, VALIDATION_POLICIES
+        )
+        self.ranks_per_host = _optional_int("ranks_per_host", ranks_per_host)
+        if self.ranks_per_host is not None and self.ranks_per_host < 1:
+            raise ValueError(f"ranks_per_host must be positive, got {self.ranks_per_host}")
+        self.averaging: ReplicaAveraging | None = None
+        self._stepped_this_batch = False
+        self._synchronous_batch = False
+        self._restored: dict[str, Any] | None = None
+
+    # ------------------------------------------------------------------ setup
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.accelerator is not None
+        assert self.model is not None
+        self.accelerator.setup(trainer)
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting and self._layer_sync is not None:
+            raise ValueError(
+                "Trainer(sync_batchnorm=True) synchronizes BatchNorm on every step, which model "
+                "averaging exists to avoid; remove it (buffers='average' averages BatchNorm "
+                "statistics every round)"
+            )
+        self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        if fitting:
+            # No DistributedDataParallel wrapper: gradients are averaged by hand during the
+            # warm-up and never afterwards.
+            self.setup_optimizers(trainer)
+        else:
+            _sync_module_states(self.model)
+        self.setup_precision_plugin()
+        if fitting:
+            _optimizers_to_device(self.optimizers, self.root_device)
+            self.averaging = self._build_averaging()
+            self.averaging.broadcast_replicas(src=0)
+
+    def _build_averaging(self) -> ReplicaAveraging:
+        assert self.lightning_module is not None
+        ranks_per_host = self.ranks_per_host
+        if ranks_per_host is None and self.reduce_kind == "tree":
+            ranks_per_host = ranks_per_host_from_environment() or self.num_processes
+        return ReplicaAveraging(
+            module=self.lightning_module,
+            optimizers=self.optimizers,
+            averager=self._make_averager(),
+            schedule=AveragingSchedule(self.period, self.warmup_steps),
+            reduction=build_reduction(self.reduce_kind, ranks_per_host),
+            buffers=self.buffer_policy,
+            optimizer_state=self.optimizer_state_policy,
+            overlap=self.overlap,
+        )
+
+    @override
+    def teardown(self) -> None:
+        self.averaging = None
+        self._restored = None
+        super().teardown()
+
+    # ------------------------------------------------------------------ training
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        self._stepped_this_batch = False
+        if self.averaging is not None:
+            self.averaging.synchronize()
+
+    @override
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: pl.LightningModule | Module | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        averaging = self.averaging
+        if averaging is not None:
+            if not self._stepped_this_batch:
+                # One count per training step, whichever optimizer steps first in it.
+                self._stepped_this_batch = True
+                self._synchronous_batch = averaging.in_warmup
+                averaging.count_optimizer_step()
+            if self._synchronous_batch and averaging.world_size > 1:
+                closure = _closure_averaging_gradients(averaging, optimizer, closure)
+        return super().optimizer_step(optimizer, closure, model, **kwargs)
+
+    @override
+    def on_validation_start(self) -> None:
+        super().on_validation_start()
+        if self.averaging is not None:
+            self.averaging.prepare_evaluation(average_first=self.before_validation == "round")
+
+    @override
+    def on_validation_end(self) -> None:
+        super().on_validation_end()
+        if self.averaging is not None:
+            self.averaging.restore_replica()
+
+    @override
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        if self.averaging is not None:
+            self.averaging.finish()
+
+    # ------------------------------------------------------------------ checkpoints
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        if self.averaging is None:
+            return super().lightning_module_state_dict()
+        self.averaging.synchronize()
+        return self.averaging.averaged_state_dict()
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None
+    ) -> None:
+        if self.averaging is not None and "optimizer_states" in checkpoint:
+            checkpoint[CHECKPOINT_KEY] = self._averaging_checkpoint(self.averaging)
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def _averaging_checkpoint(self, averaging: ReplicaAveraging) -> dict[str, Any]:
+        """The averaging state of every rank, gathered on rank 0 (collective)."""
+        averaging.synchronize()
+        local = averaging.local_state_dict()
+        replicas: list[Any] | None = [local]
+        if averaging.world_size > 1:
+            replicas = [None] * averaging.world_size if self.is_global_zero else None
+            dist.gather_object(local, replicas, dst=0)
+        return {
+            "format": 1,
+            "algorithm": type(averaging.averager).__name__,
+            "world_size": averaging.world_size,
+            "shared": averaging.state_dict(),
+            "replicas": replicas,
+        }
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        super().load_model_state_dict(checkpoint, strict=strict)
+        self._restored = checkpoint.get(CHECKPOINT_KEY)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        super().load_optimizer_state_dict(checkpoint)
+        if self._restored is None and CHECKPOINT_KEY in checkpoint:
+            self._restored = checkpoint[CHECKPOINT_KEY]
+        restored, self._restored = self._restored, None
+        if restored is not None and self.averaging is not None:
+            self._restore_averaging(self.averaging, restored)
+
+    def _restore_averaging(self, averaging: ReplicaAveraging, restored: dict[str, Any]) -> None:
+        algorithm = type(averaging.averager).__name__
+        if restored.get("world_size") != averaging.world_size or (
+            restored.get("algorithm") != algorithm
+        ):
+            rank_zero_warn(
+                f"the checkpoint's model averaging ran {restored.get('algorithm')} on "
+                f"{restored.get('world_size')} processes, this run {algorithm} on "
+                f"{averaging.world_size}: every replica restarts from the checkpoint's averaged "
+                "model and the averager starts afresh (only the step counter is kept)"
+            )
+            averaging.schedule.load_state_dict(restored["shared"]["schedule"])
+            return
+        averaging.load_state_dict(restored["shared"])
+        averaging.load_local_state_dict(restored["replicas"][self.global_rank])
+
+
+def _closure_averaging_gradients(
+    averaging: ReplicaAveraging, optimizer: Optimizer, closure: Callable[[], Any]
+) -> Callable[[], Any]:
+    """``closure`` followed by the mean of the gradients of ``optimizer``'s parameters."""
+    parameters = [p for group in optimizer.param_groups for p in group["params"]]
+
+    def closure_with_mean_gradients() -> Any:
+        result = closure()
+        averaging.average_gradients(parameters)
+        return result
+
+    return closure_with_mean_gradients
+
+
+# ---------------------------------------------------------------------- arguments
+
+
+def _averager_factory(
+    algorithm: str | Averager, hyperparameters: dict[str, Any]
+) -> tuple[str, Callable[[], Averager]]:
+    """The canonical algorithm name and a function building a fresh averager for it."""
+    given = {name: value for name, value in hyperparameters.items() if value is not None}
+    if isinstance(algorithm, Averager):
+        if given:
+            raise ValueError(
+                f"{', '.join(sorted(given))} configure a named algorithm; set them on the "
+                f"{type(algorithm).__name__} you pass instead"
+            )
+        instance = algorithm
+        return type(algorithm).__name__, lambda: instance
+    if not isinstance(algorithm, str):
+        raise TypeError(f"algorithm must be a name or an Averager, got {type(algorithm).__name__}")
+    name = _ALIASES.get(algorithm.lower(), algorithm.lower())
+    if name not in ALGORITHMS:
+        choices = ", ".join(repr(choice) for choice in (*ALGORITHMS, *_ALIASES))
+        raise ValueError(f"algorithm must be one of {choices}; got {algorithm!r}")
+    allowed = _HYPERPARAMETERS.get(name, ())
+    stray = sorted(set(given) - set(allowed))
+    if stray:
+        owners = {key: owner for owner, keys in _HYPERPARAMETERS.items() for key in keys}
+        detail = ", ".join(f"{key} (for {owners[key]})" for key in stray)
+        raise ValueError(f"algorithm={name!r} does not use {detail}; remove them")
+    if name == "periodic":
+        return name, PeriodicAverager
+    if name == "one_shot":
+        return name, OneShotAverager
+    if name == "bmuf":
+        return name, lambda: BlockMomentumAverager(
+            block_momentum=given.get("block_momentum"),
+            block_learning_rate=given.get("block_learning_rate", 1.0),
+            nesterov=bool(given.get("nesterov", False)),
+        )
+    if name == "easgd":
+        return name, lambda: ElasticAverager(
+            alpha=given.get("alpha"),
+            beta=given.get("beta", 0.9),
+            center_first=bool(given.get("center_first", False)),
+        )
+    factory = _outer_optimizer_factory(
+        given.get("outer_optimizer", "sgd"),
+        given.get("outer_lr"),
+        given.get("outer_momentum"),
+        given.get("outer_nesterov"),
+    )
+    return name, lambda: OuterOptimizerAverager(factory)
+
+
+def _outer_optimizer_factory(
+    optimizer: str | OuterOptimizerFactory,
+    lr: float | None,
+    momentum: float | None,
+    nesterov: bool | None,
+) -> OuterOptimizerFactory:
+    """Build the outer optimizer from a ``torch.optim`` class name and hyperparameters."""
+    if callable(optimizer) and not isinstance(optimizer, str):
+        if lr is not None or momentum is not None or nesterov is not None:
+            raise ValueError(
+                "outer_lr, outer_momentum and outer_nesterov apply to a named outer_optimizer; "
+                "set them inside the function you pass"
+            )
+        return optimizer
+    if not isinstance(optimizer, str):
+        raise TypeError(
+            f"outer_optimizer must name a torch.optim class or be a function, got {optimizer!r}"
+        )
+    classes = {
+        name.lower(): value
+        for name, value in vars(torch.optim).items()
+        if isinstance(value, type) and issubclass(value, Optimizer) and value is not Optimizer
+    }
+    optimizer_class = classes.get(optimizer.lower())
+    if optimizer_class is None:
+        raise ValueError(
+            f"outer_optimizer {optimizer!r} is not a torch.optim class; use one of "
+            f"{', '.join(sorted(classes))}"
+        )
+    accepted = inspect.signature(optimizer_class).parameters
+    options: dict[str, Any] = {"lr": 0.7 if lr is None else lr}
+    if optimizer_class is torch.optim.SGD:
+        options["momentum"] = 0.9 if momentum is None else momentum
+        options["nesterov"] = True if nesterov is None else nesterov
+        if options["nesterov"] and options["momentum"] == 0:
+            options["nesterov"] = False  # torch rejects Nesterov without momentum
+    else:
+        for key, value in (("momentum", momentum), ("nesterov", nesterov)):
+            if value is None:
+                continue
+            if key not in accepted:
+                raise ValueError(
+                    f"torch.optim.{optimizer_class.__name__} takes no {key}; remove outer_{key}"
+                )
+            options[key] = value
+    optimizer_class(  # bad values (negative lr, ...) fail at construction
+        [torch.zeros(1)], **options
+    )
+    return lambda params: optimizer_class(params, **options)
+
+
+def _optional_int(name: str, value: object) -> int | None:
+    if value is None or (isinstance(value, str) and value.lower() in ("none", "")):
+        return None
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    try:
+        number = float(value) if isinstance(value, str) else value
+    except ValueError as error:
+        raise ValueError(f"{name} must be an integer, got {value!r}") from error
+    if not isinstance(number, (int, float)) or int(number) != number:
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    return int(number)
+
+
+def _optional_float(name: str, value: object) -> float | None:
+    if value is None or (isinstance(value, str) and value.lower() in ("none", "")):
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    try:
+        return float(value)
+    except ValueError as error:
+        raise ValueError(f"{name} must be a number, got {value!r}") from error
+
+
+def _optional_bool(name: str, value: object) -> bool | None:
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on"):
+        return True
+    if isinstance(value, str) and value.lower() in ("false", "0", "no", "off"):
+        return False
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    raise ValueError(f"{name} must be true or false, got {value!r}")
+
+
+register_strategy(
+    "model_averaging",
+    ModelAveragingStrategy,
+    "model averaging (local SGD): replicas averaged every `period` optimizer steps",
+    algorithm="periodic",
+    period=8,
+)
+register_strategy(
+    "local_sgd",
+    ModelAveragingStrategy,
+    "local SGD: replicas averaged every `period` optimizer steps (= model_averaging)",
+    algorithm="periodic",
+    period=8,
+)
+register_strategy(
+    "bmuf",
+    ModelAveragingStrategy,
+    "BMUF: model averaging with block momentum 1 - 1/M every `period` steps",
+    algorithm="bmuf",
+    period=8,
+)
+register_strategy(
+    "easgd",
+    ModelAveragingStrategy,
+    "synchronous EASGD: replicas and a center variable pull on each other every `period` steps",
+    algorithm="easgd",
+    period=4,
+    beta=0.9,
+)
+register_strategy(
+    "diloco",
+    ModelAveragingStrategy,
+    "DiLoCo: outer Nesterov SGD (lr 0.7, momentum 0.9) on the pseudo-gradient every `period` steps",
+    algorithm="outer_optimizer",
+    period=16,
+    outer_optimizer="sgd",
+    outer_lr=0.7,
+    outer_momentum=0.9,
+    outer_nesterov=True,
+)

@@ -1,0 +1,259 @@
+"""Single-process tests of the averaging algorithms, the schedule, the policies and the packing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import Tensor
+
+from lightning_parallel.averaging import (
+    Averager,
+    AveragingSchedule,
+    BlockMomentumAverager,
+    ElasticAverager,
+    FlatLayout,
+    OneShotAverager,
+    OuterOptimizerAverager,
+    PeriodicAverager,
+    diloco_outer_optimizer,
+    lookahead_outer_optimizer,
+)
+from lightning_parallel.averaging.policies import (
+    optimizer_state_tensors,
+    reset_optimizer_state,
+    round_buffers,
+)
+
+WORLD = 3
+
+
+def _replica_rounds(averager: Averager, rounds: int = 4, seed: int = 0) -> list[list[Tensor]]:
+    """Simulate ``WORLD`` replicas in one process: drift, average through ``averager``, repeat.
+
+    Returns the replicas after every round (the averager of each replica is a copy, as on M
+    ranks, fed the same mean).
+    """
+    generator = torch.Generator().manual_seed(seed)
+    start = [torch.randn(4, 3, generator=generator), torch.randn(3, generator=generator)]
+    averagers = [averager]
+    for _ in range(WORLD - 1):
+        clone = type(averager).__new__(type(averager))
+        clone.__dict__.update(averager.__dict__)
+        averagers.append(clone)
+    # every simulated rank owns its averager state, as on real ranks
+    for copy in averagers:
+        copy.reset(start, WORLD)
+    replicas = [[t.clone() for t in start] for _ in range(WORLD)]
+    history = []
+    for _ in range(rounds):
+        for replica in replicas:
+            for tensor in replica:
+                tensor.add_(0.1 * torch.randn(tensor.shape, generator=generator))
+        mean = [torch.stack([r[k] for r in replicas]).mean(0) for k in range(len(start))]
+        # results are copied, as the round runner copies them into the live parameters
+        replicas = [
+            [t.clone() for t in copy.update(replica, mean)]
+            for copy, replica in zip(averagers, replicas, strict=True)
+        ]
+        history.append([t.clone() for t in replicas[0]])
+    return history
+
+
+def _assert_histories_close(first: list[list[Tensor]], second: list[list[Tensor]]) -> None:
+    for round_a, round_b in zip(first, second, strict=True):
+        for a, b in zip(round_a, round_b, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+def test_periodic_and_one_shot_restart_from_the_mean() -> None:
+    local = [torch.tensor([1.0, 2.0])]
+    mean = [torch.tensor([3.0, 4.0])]
+    assert torch.equal(PeriodicAverager().update(local, mean)[0], mean[0])
+    assert torch.equal(OneShotAverager().update(local, mean)[0], mean[0])
+    assert PeriodicAverager.averages_during_training
+    assert not OneShotAverager.averages_during_training
+
+
+def test_bmuf_closed_form_two_rounds() -> None:
+    eta, zeta = 0.5, 0.8
+    bmuf = BlockMomentumAverager(block_momentum=eta, block_learning_rate=zeta, nesterov=True)
+    bmuf.reset([torch.zeros(2)], world_size=2)
+    first = bmuf.update([torch.zeros(2)], [torch.ones(2)])[0]
+    # G = 1, Δ = ζ, x_g = ζ, restart x_g + ηΔ
+    assert torch.allclose(bmuf.global_model[0], torch.full((2,), zeta))
+    assert torch.allclose(first, torch.full((2,), zeta + eta * zeta))
+    second = bmuf.update([torch.zeros(2)], [torch.full((2,), 2.0)])[0]
+    delta = eta * zeta + zeta * (2.0 - zeta)
+    assert torch.allclose(bmuf.block_momentum_buffer[0], torch.full((2,), delta))
+    assert torch.allclose(second, torch.full((2,), zeta + delta + eta * delta))
+
+
+def test_bmuf_default_block_momentum_is_one_minus_one_over_m() -> None:
+    bmuf = BlockMomentumAverager()
+    bmuf.reset([torch.zeros(1)], world_size=4)
+    assert bmuf.block_momentum == pytest.approx(0.75)
+
+
+def test_bmuf_without_momentum_equals_periodic() -> None:
+    periodic = _replica_rounds(PeriodicAverager())
+    bmuf = _replica_rounds(BlockMomentumAverager(block_momentum=0.0, block_learning_rate=1.0))
+    _assert_histories_close(periodic, bmuf)
+
+
+def test_outer_sgd_lr_one_equals_periodic() -> None:
+    periodic = _replica_rounds(PeriodicAverager())
+    outer = _replica_rounds(OuterOptimizerAverager(lambda p: torch.optim.SGD(p, lr=1.0)))
+    _assert_histories_close(periodic, outer)
+
+
+def test_diloco_outer_step_closed_form() -> None:
+    outer = OuterOptimizerAverager(diloco_outer_optimizer(lr=0.7, momentum=0.9))
+    outer.reset([torch.zeros(3)], world_size=2)
+    restart = outer.update([torch.zeros(3)], [torch.ones(3)])[0]
+    # pseudo-gradient g = 0 - 1 = -1; Nesterov: step = g + 0.9·g; x_g = 0 - 0.7·1.9·g
+    assert torch.allclose(restart, torch.full((3,), 0.7 * 1.9))
+
+
+def test_lookahead_moves_alpha_of_the_way() -> None:
+    outer = OuterOptimizerAverager(lookahead_outer_optimizer(alpha=0.25))
+    outer.reset([torch.zeros(2)], world_size=1)
+    assert torch.allclose(outer.update([torch.ones(2)], [torch.ones(2)])[0], torch.full((2,), 0.25))
+
+
+def test_easgd_closed_form_and_center() -> None:
+    easgd = ElasticAverager(alpha=0.2, beta=0.6)
+    easgd.reset([torch.zeros(1)], world_size=3)
+    restart = easgd.update([torch.full((1,), 2.0)], [torch.full((1,), 1.0)])[0]
+    assert torch.allclose(restart, torch.tensor([2.0 - 0.2 * 2.0]))
+    assert torch.allclose(easgd.center[0], torch.tensor([0.6]))
+
+
+def test_easgd_alpha_one_over_m_makes_the_center_the_periodic_mean() -> None:
+    generator = torch.Generator().manual_seed(5)
+    easgd = ElasticAverager(alpha=1.0 / WORLD, beta=1.0)  # the paper's beta = M·alpha
+    easgd.reset([torch.zeros(5)], WORLD)
+    for _ in range(3):
+        mean = [torch.randn(5, generator=generator)]
+        easgd.update([torch.randn(5, generator=generator)], mean)
+        assert torch.equal(easgd.center[0], mean[0])
+
+
+def test_easgd_center_first_alpha_beta_one_equals_periodic() -> None:
+    periodic = _replica_rounds(PeriodicAverager())
+    easgd = _replica_rounds(ElasticAverager(alpha=1.0, beta=1.0, center_first=True))
+    for round_a, round_b in zip(periodic, easgd, strict=True):
+        for a, b in zip(round_a, round_b, strict=True):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: BlockMomentumAverager(block_momentum=0.6, nesterov=True),
+        lambda: ElasticAverager(beta=0.9),
+        lambda: OuterOptimizerAverager(diloco_outer_optimizer()),
+        lambda: OuterOptimizerAverager(lambda p: torch.optim.Adam(p, lr=0.1)),
+    ],
+)
+def test_state_dict_round_trip_continues_exactly(make) -> None:  # type: ignore[no-untyped-def]
+    generator = torch.Generator().manual_seed(1)
+    inputs = [
+        ([torch.randn(4, generator=generator)], [torch.randn(4, generator=generator)])
+        for _ in range(4)
+    ]
+    reference = make()
+    reference.reset([torch.zeros(4)], 2)
+    outputs = [reference.update(local, mean)[0] for local, mean in inputs]
+    resumed = make()
+    resumed.reset([torch.zeros(4)], 2)
+    for local, mean in inputs[:2]:
+        resumed.update(local, mean)
+    state = resumed.state_dict()
+    fresh = make()
+    fresh.load_state_dict(state)
+    assert fresh.started
+    for (local, mean), expected in zip(inputs[2:], outputs[2:], strict=True):
+        assert torch.equal(fresh.update(local, mean)[0], expected)
+
+
+def test_bad_hyperparameters_raise_naming_the_fix() -> None:
+    with pytest.raises(ValueError, match="block_momentum"):
+        BlockMomentumAverager(block_momentum=1.0)
+    with pytest.raises(ValueError, match="beta"):
+        ElasticAverager(beta=0.0)
+    with pytest.raises(ValueError, match="alpha"):
+        ElasticAverager(alpha=2.0)
+    with pytest.raises(TypeError, match=r"torch\.optim"):
+        OuterOptimizerAverager(0.7)  # type: ignore[arg-type]
+    outer = OuterOptimizerAverager(lambda p: p)  # type: ignore[arg-type,return-value]
+    with pytest.raises(TypeError, match="Optimizer"):
+        outer.reset([torch.zeros(1)], 1)
+
+
+def test_schedule_rounds_after_warmup_every_period() -> None:
+    schedule = AveragingSchedule(period=3, warmup_steps=2)
+    ends = []
+    warmups = []
+    for _ in range(11):
+        warmups.append(schedule.in_warmup)
+        ends.append(schedule.count_step())
+        if ends[-1]:
+            schedule.mark_round()  # what the round runner does when it starts the round
+    assert warmups == [True, True] + [False] * 9
+    assert [step for step, end in enumerate(ends, start=1) if end] == [5, 8, 11]
+    never = AveragingSchedule(period=None)
+    assert not any(never.count_step() for _ in range(10))
+    resumed = AveragingSchedule(period=3, warmup_steps=2)
+    resumed.load_state_dict({"optimizer_steps": 4, "rounds": 0, "last_round_step": 0})
+    assert resumed.count_step()  # step 5 ends a round after resume too
+
+
+def test_an_extra_round_moves_the_phase() -> None:
+    schedule = AveragingSchedule(period=4, warmup_steps=1)
+    for _ in range(3):
+        assert not schedule.count_step()
+    assert schedule.local_steps == 2
+    schedule.mark_round()  # e.g. before a validation after step 3
+    assert schedule.local_steps == 0
+    ends = []
+    for step in range(4, 16):
+        if schedule.count_step():
+            ends.append(step)
+            schedule.mark_round()
+    assert ends == [7, 11, 15]
+    assert schedule.rounds == 4
+
+
+@pytest.mark.parametrize("period", [0, -1, 1.5, True])
+def test_schedule_rejects_bad_period(period: object) -> None:
+    with pytest.raises(ValueError, match="period must be a positive integer"):
+        AveragingSchedule(period=period)  # type: ignore[arg-type]
+
+
+def test_flat_layout_round_trip_mixed_dtypes() -> None:
+    tensors = [
+        torch.randn(2, 3),
+        torch.arange(4, dtype=torch.float64),
+        torch.randn(5),
+        torch.ones(1, 1, dtype=torch.float64),
+    ]
+    layout = FlatLayout(tensors)
+    flat = layout.pack(tensors)
+    assert [buffer.dtype for buffer in flat] == [torch.float32, torch.float64]
+    assert layout.nbytes(flat) == 4 * (6 + 5) + 8 * (4 + 1)
+    for original, unpacked in zip(tensors, layout.unpack(flat), strict=True):
+        assert torch.equal(original, unpacked)
+        assert original.dtype == unpacked.dtype
+
+
+def test_policies_pick_floating_buffers_and_state() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3))
+    assert len(round_buffers(model, "average")) == 2  # running mean and var, not the counter
+    assert round_buffers(model, "local") == []
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.randn(4, 3)).sum().backward()
+    optimizer.step()
+    tensors = optimizer_state_tensors([optimizer])
+    assert len(tensors) == 2 * 4  # exp_avg and exp_avg_sq of 4 parameters, no step scalar
+    reset_optimizer_state([optimizer])
+    assert not optimizer.state

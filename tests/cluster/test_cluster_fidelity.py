@@ -1,0 +1,67 @@
+"""A shaped link moves a gloo allreduce at its configured rate (within 15%)."""
+
+import io
+import json
+import sys
+
+import pytest
+
+from lightning_parallel.cluster import (
+    SimulatedNetwork,
+    netns_unavailable_reason,
+    parse_bandwidth,
+    run_on_hosts,
+)
+
+REASON = netns_unavailable_reason()
+pytestmark = [pytest.mark.netns, pytest.mark.skipif(REASON is not None, reason=REASON or "")]
+
+# Each host allreduces a 25 MB tensor `iterations` times and reports the bytes its interface
+# sent (kernel counter) and the time the allreduces took.
+_PROBE = """
+import json, os, sys, time
+import torch, torch.distributed as dist
+torch.set_num_threads(1)
+dist.init_process_group("gloo")
+megabytes, iterations = float(sys.argv[1]), int(sys.argv[2])
+counter = f"/sys/class/net/{os.environ['GLOO_SOCKET_IFNAME']}/statistics/tx_bytes"
+tensor = torch.ones(int(megabytes * 1e6) // 4)
+dist.all_reduce(tensor.clone())  # connections up, pages touched
+dist.barrier()
+before, start = int(open(counter).read()), time.perf_counter()
+for _ in range(iterations):
+    dist.all_reduce(tensor)
+seconds, sent = time.perf_counter() - start, int(open(counter).read()) - before
+print(json.dumps({"sent": sent, "seconds": seconds}), flush=True)
+dist.destroy_process_group()
+"""
+
+
+def _measure(bandwidth: str, iterations: int) -> list[dict[str, float]]:
+    output = io.StringIO()
+    with SimulatedNetwork(2, bandwidth, "0") as network:
+        result = run_on_hosts(
+            network,
+            [sys.executable, "-c", _PROBE, "25", str(iterations)],
+            output=output,
+            timeout=120,
+        )
+        assert result.returncode == 0, result.tail
+        wire = [network.tx_bytes(host) for host in network.hosts]
+    rows = [json.loads(line.split("] ", 1)[1]) for line in output.getvalue().splitlines()
+            if "] {" in line]  # fmt: skip
+    assert len(rows) == 2 and all(w > 0 for w in wire)
+    return rows
+
+
+@pytest.mark.parametrize(("bandwidth", "iterations"), [("100mbit", 1), ("1gbit", 6)])
+def test_allreduce_moves_at_the_configured_rate(bandwidth, iterations):
+    rows = _measure(bandwidth, iterations)
+    configured = parse_bandwidth(bandwidth)
+    for row in rows:
+        # ring allreduce on 2 ranks: each rank sends the whole 25 MB once per allreduce
+        assert row["sent"] >= 0.95 * 25e6 * iterations
+        measured = 8 * row["sent"] / row["seconds"]
+        assert measured == pytest.approx(configured, rel=0.15), (
+            f"{bandwidth}: measured {measured / 1e6:.1f} Mbit/s"
+        )

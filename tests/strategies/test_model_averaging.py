@@ -1,0 +1,360 @@
+"""ModelAveragingStrategy inside real Lightning fits: 2 CPU processes, fork launcher."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.callbacks import Callback, ModelCheckpoint
+from pytorch_lightning.strategies import StrategyRegistry
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning_parallel.strategies.model_averaging  # noqa: F401  (registers the names)
+from lightning_parallel.averaging import BlockMomentumAverager
+from lightning_parallel.strategies.model_averaging import CHECKPOINT_KEY, ModelAveragingStrategy
+
+
+class Regression(pl.LightningModule):
+    """A linear regression on a fixed synthetic set (40 samples: 5 batches of 4 per rank)."""
+
+    def __init__(self, momentum: float = 0.0, optimizers: int = 1) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first = nn.Linear(4, 3)
+        self.second = nn.Linear(3, 2)
+        self.momentum = momentum
+        self.optimizer_count = optimizers
+        self.automatic_optimization = optimizers == 1
+        self.validation_checks: list[float] = []
+
+    def forward(self, inputs: Tensor) -> Tensor:
+        return self.second(torch.tanh(self.first(inputs)))
+
+    def training_step(self, batch: list[Tensor], batch_idx: int) -> Tensor | None:
+        inputs, targets = batch
+        loss = nn.functional.mse_loss(self(inputs), targets)
+        if self.automatic_optimization:
+            return loss
+        for optimizer in self.optimizers():  # type: ignore[union-attr]
+            optimizer.zero_grad()
+        self.manual_backward(loss)
+        for optimizer in self.optimizers():  # type: ignore[union-attr]
+            optimizer.step()
+        return None
+
+    def on_validation_start(self) -> None:
+        # Module hooks run before the strategy's: the replica is still this rank's own here.
+        self._replica_mean = self.all_gather(flat(self)).mean(0)
+
+    def validation_step(self, batch: list[Tensor], batch_idx: int) -> None:
+        inputs, targets = batch
+        self.log("val_loss", nn.functional.mse_loss(self(inputs), targets), sync_dist=True)
+        if batch_idx == 0:
+            self.validation_checks.append(float((flat(self) - self._replica_mean).abs().max()))
+
+    def configure_optimizers(self) -> Any:
+        if self.optimizer_count == 1:
+            return torch.optim.SGD(self.parameters(), lr=0.1, momentum=self.momentum)
+        return [
+            torch.optim.SGD(self.first.parameters(), lr=0.1),
+            torch.optim.SGD(self.second.parameters(), lr=0.1),
+        ]
+
+    def train_dataloader(self) -> DataLoader:
+        generator = torch.Generator().manual_seed(0)
+        inputs = torch.randn(40, 4, generator=generator)
+        targets = torch.randn(40, 2, generator=generator)
+        return DataLoader(TensorDataset(inputs, targets), batch_size=4)
+
+    def val_dataloader(self) -> DataLoader:
+        return self.train_dataloader()
+
+
+def flat(module: nn.Module) -> Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in module.parameters()])
+
+
+class Recorder(Callback):
+    """Writes what each rank saw into ``directory/rank<r>.json`` (the parent only gets rank 0)."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.steps_per_batch: list[int] = []
+        self.gradient_reductions = 0
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        averaging = trainer.strategy.averaging  # type: ignore[attr-defined]
+        original = averaging.average_gradients
+
+        def counted(*args: Any, **kwargs: Any) -> None:
+            self.gradient_reductions += 1
+            original(*args, **kwargs)
+
+        averaging.average_gradients = counted
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        averaging = trainer.strategy.averaging  # type: ignore[attr-defined]
+        self.steps_per_batch.append(averaging.schedule.optimizer_steps)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Callbacks run before the strategy's on_train_end: this is the rank's own replica.
+        averaging = trainer.strategy.averaging  # type: ignore[attr-defined]
+        from lightning_parallel.comm.ledger import process_ledger
+
+        record = {
+            "replica": flat(pl_module).tolist(),
+            "rounds": averaging.rounds,
+            "gauges": dict(process_ledger().gauges),
+            "steps_per_batch": self.steps_per_batch,
+            "gradient_reductions": self.gradient_reductions,
+            "validation_checks": getattr(pl_module, "validation_checks", []),
+        }
+        path = self.directory / f"rank{trainer.global_rank}.json"
+        path.write_text(json.dumps(record))
+
+
+def fit(
+    model: pl.LightningModule,
+    strategy: Any,
+    directory: Path | None = None,
+    callbacks: list[Callback] | None = None,
+    ckpt_path: str | None = None,
+    **trainer_kwargs: Any,
+) -> pl.Trainer:
+    callbacks = list(callbacks or [])
+    if directory is not None:
+        callbacks.append(Recorder(directory))
+    trainer_kwargs.setdefault("limit_val_batches", 0)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=trainer_kwargs.pop("devices", 2),
+        strategy=strategy,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
+        num_sanity_val_steps=0,
+        callbacks=callbacks,
+        **trainer_kwargs,
+    )
+    trainer.fit(model, ckpt_path=ckpt_path)
+    return trainer
+
+
+def records(directory: Path, world_size: int = 2) -> list[dict[str, Any]]:
+    return [json.loads((directory / f"rank{r}.json").read_text()) for r in range(world_size)]
+
+
+def averaging(**kwargs: Any) -> ModelAveragingStrategy:
+    return ModelAveragingStrategy(start_method="fork", **kwargs)
+
+
+# ---------------------------------------------------------------------------- equivalence
+
+
+def test_period_one_equals_ddp() -> None:
+    reference = Regression()
+    fit(reference, "ddp_fork", max_steps=5)
+    model = Regression()
+    fit(model, averaging(period=1), max_steps=5)
+    assert (flat(model) - flat(reference)).abs().max() < 1e-6
+
+
+# ---------------------------------------------------------------------------- counting
+
+
+def test_rounds_count_steps_not_batches_or_optimizers(tmp_path: Path) -> None:
+    # gradient accumulation: 5 batches per rank and epoch, 2 per step, 2 epochs -> 6 steps
+    accumulated = tmp_path / "accumulated"
+    accumulated.mkdir()
+    fit(
+        Regression(),
+        averaging(period=2, warmup_steps=1),
+        accumulated,
+        max_epochs=2,
+        accumulate_grad_batches=2,
+    )
+    for record in records(accumulated):
+        assert record["steps_per_batch"] == [0, 1, 1, 2, 3, 3, 4, 4, 5, 6]
+        assert record["rounds"] == 2  # after steps 3 and 5 (step 1 is the warm-up)
+        assert record["gradient_reductions"] == 1  # the warm-up step only
+    # two optimizers stepping in every batch (manual optimization): one step per batch
+    two_optimizers = tmp_path / "two_optimizers"
+    two_optimizers.mkdir()
+    fit(Regression(optimizers=2), averaging(period=2), two_optimizers, max_epochs=1)
+    for record in records(two_optimizers):
+        assert record["steps_per_batch"] == [1, 2, 3, 4, 5]
+        assert record["rounds"] == 2
+        assert record["gauges"]["rounds"] == 2
+        assert record["gauges"]["bytes_per_round"] > 0
+        assert record["gauges"]["divergence"] > 0  # the replicas moved apart between rounds
+        assert record["gradient_reductions"] == 0
+
+
+def test_validation_sees_the_mean_and_the_parent_gets_the_mean(tmp_path: Path) -> None:
+    model = Regression(momentum=0.9)
+    fit(model, averaging(algorithm="one_shot"), tmp_path, max_epochs=2, limit_val_batches=1)
+    ranks = records(tmp_path)
+    replicas = torch.tensor([record["replica"] for record in ranks])
+    assert (replicas[0] - replicas[1]).abs().max() > 1e-3  # one-shot: replicas diverged
+    for record in ranks:
+        assert record["rounds"] == 0
+        assert len(record["validation_checks"]) == 2
+        assert max(record["validation_checks"]) < 1e-6  # validated on the mean of the replicas
+    assert torch.allclose(flat(model), replicas.mean(0), atol=1e-6)  # the parent's model
+
+
+def test_validation_policies_round_and_mean(tmp_path: Path) -> None:
+    # "round": each epoch-end validation (after steps 5 and 10) runs a round first, and the
+    # next round comes 3 steps later: rounds after steps 3, 5, 8, 10
+    rounds = tmp_path / "round"
+    rounds.mkdir()
+    fit(Regression(momentum=0.9), averaging(period=3), rounds, max_epochs=2, limit_val_batches=1)
+    for record in records(rounds):
+        assert record["rounds"] == 4
+        assert max(record["validation_checks"]) < 1e-6
+    # "mean": validation swaps the mean in and out; training is as if there were no validation
+    mean = tmp_path / "mean"
+    mean.mkdir()
+    validated = Regression(momentum=0.9)
+    strategy = averaging(period=3, before_validation="mean")
+    fit(validated, strategy, mean, max_epochs=2, limit_val_batches=1)
+    for record in records(mean):
+        assert record["rounds"] == 3  # after steps 3, 6, 9
+        assert max(record["validation_checks"]) < 1e-6
+    unvalidated = Regression(momentum=0.9)
+    fit(unvalidated, averaging(period=3, before_validation="mean"), max_epochs=2)
+    assert torch.equal(flat(validated), flat(unvalidated))
+
+
+# ---------------------------------------------------------------------------- checkpoints
+
+
+@pytest.mark.parametrize(
+    ("options", "momentum", "validation_batches"),
+    [
+        ({"algorithm": "bmuf", "nesterov": True}, 0.9, 0),
+        ({"algorithm": "diloco", "optimizer_state": "average", "overlap": True}, 0.9, 0),
+        ({"algorithm": "easgd", "reduce": "tree"}, 0.0, 0),
+        ({"algorithm": "periodic", "buffers": "local"}, 0.9, 1),  # saved after validation
+    ],
+)
+def test_resume_mid_round_equals_uninterrupted(
+    tmp_path: Path, options: dict[str, Any], momentum: float, validation_batches: int
+) -> None:
+    limits = {"limit_val_batches": validation_batches}
+    uninterrupted = Regression(momentum)
+    fit(uninterrupted, averaging(period=3, **options), max_epochs=2, **limits)
+    checkpoints = tmp_path / "checkpoints"
+    # epoch 1 ends after step 5, in the middle of the round that ends at step 6
+    first_half = Regression(momentum)
+    checkpoint = ModelCheckpoint(dirpath=checkpoints, save_top_k=-1, filename="first")
+    fit(first_half, averaging(period=3, **options), callbacks=[checkpoint], max_epochs=1, **limits)
+    resumed = Regression(momentum)
+    resumed.first.weight.data.fill_(7.0)  # everything must come from the checkpoint
+    fit(
+        resumed,
+        averaging(period=3, **options),
+        max_epochs=2,
+        ckpt_path=str(checkpoints / "first.ckpt"),
+        **limits,
+    )
+    assert torch.equal(flat(resumed), flat(uninterrupted))
+
+
+def test_checkpoint_holds_the_mean_and_loads_anywhere(tmp_path: Path) -> None:
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, save_top_k=-1, filename="mid")
+    fit(Regression(momentum=0.9), averaging(period=4), callbacks=[checkpoint], max_epochs=1)
+    path = tmp_path / "mid.ckpt"
+    saved = torch.load(path, weights_only=False)
+    state = saved[CHECKPOINT_KEY]
+    assert state["shared"]["schedule"] == {"optimizer_steps": 5, "rounds": 1, "last_round_step": 4}
+    replicas = [replica["model"] for replica in state["replicas"]]
+    for key, value in saved["state_dict"].items():
+        mean = (replicas[0][key] + replicas[1][key]) / 2
+        assert torch.allclose(value, mean, atol=1e-7), key
+    assert not torch.equal(replicas[0]["first.weight"], replicas[1]["first.weight"])
+    # plain torch, one device, and DDP all take the checkpoint as an ordinary one
+    plain = Regression()
+    plain.load_state_dict(saved["state_dict"])
+    single = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
+    single.validate(Regression(), ckpt_path=str(path), verbose=False)
+    fit(Regression(momentum=0.9), "ddp_fork", max_epochs=2, ckpt_path=str(path))
+
+
+# ---------------------------------------------------------------------------- arguments
+
+
+def test_registered_names_and_bench_style_construction() -> None:
+    expected = {
+        "model_averaging": "periodic",
+        "local_sgd": "periodic",
+        "bmuf": "bmuf",
+        "easgd": "easgd",
+        "diloco": "outer_optimizer",
+    }
+    for name, algorithm in expected.items():
+        entry = StrategyRegistry[name]
+        assert entry["strategy"] is ModelAveragingStrategy
+        # the bench passes the spec's values as they come from the command line
+        strategy = entry["strategy"](**{**entry["init_params"], "period": "8", "reduce": "tree"})
+        assert strategy.algorithm == algorithm
+        assert strategy.period == 8
+        assert strategy.reduce_kind == "tree"
+        assert strategy.reports_communication
+    diloco = StrategyRegistry["diloco"]["strategy"](**StrategyRegistry["diloco"]["init_params"])
+    outer = diloco._make_averager()
+    outer.reset([torch.zeros(1)], 2)
+    assert outer.optimizer is not None
+    assert outer.optimizer.defaults["lr"] == 0.7
+    assert outer.optimizer.defaults["momentum"] == 0.9
+    assert outer.optimizer.defaults["nesterov"]
+    assert StrategyRegistry["diloco"]["init_params"]["period"] == 16
+    assert StrategyRegistry["easgd"]["init_params"]["period"] == 4
+    custom = ModelAveragingStrategy(algorithm=BlockMomentumAverager(block_momentum=0.3))
+    assert custom.algorithm == "BlockMomentumAverager"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"period": 0}, "period must be a positive integer"),
+        ({"period": None}, "one_shot"),
+        ({"algorithm": "sgd"}, "algorithm must be one of"),
+        ({"buffers": "sync"}, "buffers must be one of"),
+        ({"optimizer_state": "drop"}, "optimizer_state must be one of"),
+        ({"reduce": "ring"}, "reduce must be one of"),
+        ({"algorithm": "periodic", "alpha": 0.5}, r"alpha \(for easgd\)"),
+        ({"algorithm": "bmuf", "block_momentum": 1.5}, "block_momentum"),
+        ({"algorithm": "outer_optimizer", "outer_optimizer": "nope"}, "not a torch.optim class"),
+        (
+            {"algorithm": "outer_optimizer", "outer_optimizer": "adam", "outer_momentum": 0.9},
+            "Adam",
+        ),
+        ({"warmup_steps": -1}, "warmup_steps"),
+        ({"overlap": "maybe"}, "overlap must be true or false"),
+    ],
+)
+def test_bad_arguments_fail_at_construction(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises((ValueError, TypeError), match=message):
+        ModelAveragingStrategy(**kwargs)
+
+
+def test_sync_batchnorm_is_refused() -> None:
+    # raised in the worker's setup; the fork launcher re-raises it in the parent
+    with pytest.raises(Exception, match="sync_batchnorm"):
+        pl.Trainer(
+            accelerator="cpu",
+            devices=1,
+            strategy=averaging(period=2),
+            sync_batchnorm=True,
+            logger=False,
+            enable_progress_bar=False,
+            enable_checkpointing=False,
+            max_steps=1,
+        ).fit(Regression())
