@@ -8,7 +8,9 @@ from lightning_parallel.__about__ import __version__
 from lightning_parallel.callbacks import CommStats, Straggler
 from lightning_parallel.comm.accounting import track_collectives
 from lightning_parallel.comm.ledger import CommLedger, process_ledger
+from lightning_parallel.pipeline import HybridCosineLinearLR
 from lightning_parallel.strategies import (
+    GroPipeStrategy,
     HookedDDPStrategy,
     ModelAveragingStrategy,
     PowerSGDDDPStrategy,
@@ -19,6 +21,8 @@ from lightning_parallel.strategies import (
 __all__ = [
     "CommLedger",
     "CommStats",
+    "GroPipeStrategy",
+    "HybridCosineLinearLR",
     "HookedDDPStrategy",
     "ModelAveragingStrategy",
     "PowerSGDDDPStrategy",

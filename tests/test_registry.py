@@ -15,6 +15,7 @@ _EXPECTED_NAMES = {
     "bmuf",
     "easgd",
     "diloco",
+    "gropipe",
 }
 
 

@@ -13,7 +13,7 @@ all_gather             (W−1) · N  (N = this rank's input)           ring
 reduce_scatter_tensor  (W−1)/W · N  (N = the full input)            ring
 all_to_all_single      (W−1)/W · N                                  pairwise
 broadcast              (W−1) · N on the source, 0 elsewhere         one to all
-send / isend           N                                            point to point
+send / isend           N  (also inside batch_isend_irecv)           point to point
 =====================  ==========================================  =========================
 
 DDP's own reducer (C++, no comm hook) bypasses Python: its cost is added by the
@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d
 
 from lightning_parallel.comm.ledger import CommLedger, process_ledger
 
@@ -39,6 +40,7 @@ __all__: list[str] = []
 _lock = threading.Lock()
 _originals: dict[str, Callable[..., Any]] = {}
 _depth = 0
+_inside = threading.local()
 
 
 def _nbytes(tensors: Any) -> int:
@@ -88,14 +90,7 @@ def _cost(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> float:
         return (world - 1) * _nbytes(tensor) if dist.get_rank() == src else 0.0
     if name in ("send", "isend"):
         return float(_nbytes(args[0] if args else kwargs.get("tensor")))
-    if name == "batch_isend_irecv":
-        ops = args[0] if args else kwargs.get("p2p_op_list", [])
-        return float(sum(_nbytes(op.tensor) for op in ops if op.op in (dist.isend, _isend())))
     return 0.0
-
-
-def _isend() -> Callable[..., Any]:
-    return _originals.get("isend", dist.isend)
 
 
 _TRACKED = (
@@ -107,16 +102,21 @@ _TRACKED = (
     "broadcast",
     "send",
     "isend",
-    "batch_isend_irecv",
 )
 
 
 def _wrap(name: str, original: Callable[..., Any], ledger: CommLedger) -> Callable[..., Any]:
     @functools.wraps(original)
     def counted(*args: Any, **kwargs: Any) -> Any:
+        if getattr(_inside, "call", False):  # e.g. send() calls isend(): count the outer call
+            return original(*args, **kwargs)
         start = time.perf_counter()
-        result = original(*args, **kwargs)
-        blocking = not kwargs.get("async_op", False) and name not in ("isend", "batch_isend_irecv")
+        _inside.call = True
+        try:
+            result = original(*args, **kwargs)
+        finally:
+            _inside.call = False
+        blocking = not kwargs.get("async_op", False) and name != "isend"
         seconds = time.perf_counter() - start if blocking else 0.0
         try:
             sent = _cost(name, args, kwargs)
@@ -143,6 +143,10 @@ def track_collectives(ledger: CommLedger | None = None) -> Iterator[CommLedger]:
                 original = getattr(dist, name)
                 _originals[name] = original
                 setattr(dist, name, _wrap(name, original, target))
+            # P2POp and batch_isend_irecv tell sends from receives by ``op is isend`` against
+            # the module's own global: it must be the same wrapper as ``dist.isend``, which also
+            # counts the sends inside batch_isend_irecv (it calls ``op.op``) exactly once
+            distributed_c10d.isend = dist.isend
         _depth += 1
     try:
         yield target
@@ -152,4 +156,5 @@ def track_collectives(ledger: CommLedger | None = None) -> Iterator[CommLedger]:
             if _depth == 0:
                 for name, original in _originals.items():
                     setattr(dist, name, original)
+                distributed_c10d.isend = _originals["isend"]
                 _originals.clear()

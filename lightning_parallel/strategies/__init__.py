@@ -1,10 +1,12 @@
 """Lightning strategies of this package; importing this package registers their names."""
 
 from lightning_parallel.strategies.ddp_hooks import HookedDDPStrategy, PowerSGDDDPStrategy
+from lightning_parallel.strategies.gropipe import GroPipeStrategy
 from lightning_parallel.strategies.model_averaging import ModelAveragingStrategy
 from lightning_parallel.strategies.registry import register_strategy, registered_names
 
 __all__ = [
+    "GroPipeStrategy",
     "HookedDDPStrategy",
     "ModelAveragingStrategy",
     "PowerSGDDDPStrategy",

@@ -22,8 +22,7 @@ stages' weights are gathered.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -113,13 +112,12 @@ class TorchPipeliningStrategy(GroPipeStrategy):
         first, last = self.stage_index == 0, self.stage_index == self.stages - 1
         target = torch.arange(length, device=self.root_device) if last else None
         start = time.perf_counter()
-        with _original_point_to_point():
-            if first:
-                assert inputs is not None
-                arguments = merge_microbatches(list(inputs))
-                self._torch_schedule.step(*arguments, target=target, losses=[])
-            else:
-                self._torch_schedule.step(target=target, losses=[])
+        if first:
+            assert inputs is not None
+            arguments = merge_microbatches(list(inputs))
+            self._torch_schedule.step(*arguments, target=target, losses=[])
+        else:
+            self._torch_schedule.step(target=target, losses=[])
         stats.step_seconds = time.perf_counter() - start
         return stats
 
@@ -148,25 +146,6 @@ class TorchPipeliningStrategy(GroPipeStrategy):
         if self.groups > 1:
             ledger.set_gauge("allreduce_seconds", sum(summary.sync_seconds))
             ledger.set_gauge("allreduce_exposed_seconds", sum(summary.exposed_seconds))
-
-
-@contextmanager
-def _original_point_to_point() -> Iterator[None]:
-    """Give torch.distributed.pipelining the real ``isend``/``irecv``.
-
-    ``dist.P2POp`` insists on ``op is torch.distributed.isend``; byte accounting
-    (:func:`~lightning_parallel.comm.accounting.track_collectives`) wraps that attribute, so the
-    originals are put back for the step (``batch_isend_irecv``, which carries the bytes, stays
-    counted).
-    """
-    from torch.distributed import distributed_c10d
-
-    current = dist.isend, dist.irecv
-    dist.isend, dist.irecv = distributed_c10d.isend, distributed_c10d.irecv  # type: ignore[attr-defined]
-    try:
-        yield
-    finally:
-        dist.isend, dist.irecv = current  # type: ignore[attr-defined]
 
 
 def _batch_length(batch: Any) -> int:

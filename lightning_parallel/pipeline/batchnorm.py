@@ -1,0 +1,191 @@
+"""Deferred BatchNorm: running statistics over the whole mini-batch, not each micro-batch.
+
+In a pipeline a BatchNorm layer sees one micro-batch at a time. A plain ``nn.BatchNorm*`` would
+update its running mean and variance ``m`` times per step from ``N/m`` samples each, so the
+statistics used at evaluation drift from those of mini-batch training. Deferred BatchNorm
+(torchgpipe's ``DeferredBatchNorm``, Kim et al., 2020) fixes the running statistics:
+
+1. forward in training: normalize the micro-batch with its own mean and variance (as any
+   micro-batched pipeline must: the other micro-batches do not exist yet) and add
+   ``Σx``, ``Σx²`` and the count to float64 accumulators (not during a recomputed forward);
+2. at the end of the step (:func:`commit_deferred_batch_norm`), optionally allreduce the
+   accumulators across data-parallel replicas, so that the mini-batch is the global one, then
+   ``μ = Σx/n``, ``σ² = (Σx² − nμ²)/(n−1)`` and one update
+   ``running ← (1−α)·running + α·stat`` with ``α = momentum`` (or ``1/num_batches_tracked``
+   when ``momentum=None``), exactly what ``nn.BatchNorm`` does for one batch of ``n`` samples.
+
+In evaluation mode it is a plain BatchNorm over the running statistics. Conversion keeps the
+parameter and buffer tensors (and so the ``state_dict`` keys) of the original layers, and
+:func:`restore_batch_norm` puts the original modules back.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from lightning_parallel.pipeline.recompute import is_recomputing
+
+__all__: list[str] = []
+
+
+class DeferredBatchNorm(_BatchNorm):
+    """BatchNorm whose running statistics are updated once per step from all micro-batches.
+
+    Build it with :meth:`from_batch_norm` (or :func:`convert_deferred_batch_norm`); it shares
+    the weight, bias and running buffers of the layer it replaces.
+    """
+
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1) -> None:
+        super().__init__(num_features, eps, momentum, affine=True, track_running_stats=True)
+        self._reset_accumulators()
+
+    @classmethod
+    def from_batch_norm(cls, source: _BatchNorm) -> DeferredBatchNorm:
+        """A deferred layer sharing ``source``'s parameters and buffers."""
+        layer = cls(source.num_features, source.eps, source.momentum)
+        layer.affine = source.affine
+        layer.weight = source.weight
+        layer.bias = source.bias
+        layer.running_mean = source.running_mean
+        layer.running_var = source.running_var
+        layer.num_batches_tracked = source.num_batches_tracked
+        layer.train(source.training)
+        return layer
+
+    def _reset_accumulators(self) -> None:
+        self._sum: torch.Tensor | None = None
+        self._sum_squares: torch.Tensor | None = None
+        self._count = 0
+
+    def _check_input_dim(self, input: torch.Tensor) -> None:
+        if input.dim() < 2:
+            raise ValueError(f"DeferredBatchNorm expects at least 2-D input, got {input.dim()}-D")
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        self._check_input_dim(input)
+        if not self.training or self.running_mean is None:
+            return super().forward(input)
+        if not is_recomputing():
+            self._accumulate(input)
+        # normalize with this micro-batch's statistics; momentum 0 leaves no running update
+        return F.batch_norm(input, None, None, self.weight, self.bias, True, 0.0, self.eps)
+
+    @torch.no_grad()
+    def _accumulate(self, input: torch.Tensor) -> None:
+        dims = [0, *range(2, input.dim())]
+        values = input.detach().to(torch.float64)
+        total, squares = values.sum(dims), (values * values).sum(dims)
+        if self._sum is None or self._sum_squares is None:
+            self._sum, self._sum_squares = total, squares
+        else:
+            self._sum += total
+            self._sum_squares += squares
+        self._count += input.numel() // input.size(1)
+
+    def accumulators(self) -> torch.Tensor:
+        """``[count, Σx (C values), Σx² (C values)]`` of this step, as one float64 vector."""
+        features = self.num_features
+        device = self.running_mean.device if self.running_mean is not None else None
+        if self._sum is None or self._sum_squares is None:
+            return torch.zeros(1 + 2 * features, dtype=torch.float64, device=device)
+        count = torch.tensor([float(self._count)], dtype=torch.float64, device=self._sum.device)
+        return torch.cat([count, self._sum, self._sum_squares])
+
+    @torch.no_grad()
+    def commit(self, accumulators: torch.Tensor | None = None) -> None:
+        """Update the running statistics from this step's (possibly reduced) accumulators."""
+        values = self.accumulators() if accumulators is None else accumulators
+        self._reset_accumulators()
+        count = float(values[0])
+        if count < 2 or self.running_mean is None or self.running_var is None:
+            return
+        features = self.num_features
+        mean = values[1 : 1 + features] / count
+        variance = (values[1 + features :] - count * mean * mean) / (count - 1)
+        assert self.num_batches_tracked is not None
+        self.num_batches_tracked.add_(1)
+        factor = (
+            1.0 / float(self.num_batches_tracked) if self.momentum is None else float(self.momentum)
+        )
+        self.running_mean.mul_(1 - factor).add_(mean.to(self.running_mean.dtype), alpha=factor)
+        self.running_var.mul_(1 - factor).add_(variance.to(self.running_var.dtype), alpha=factor)
+
+
+def convert_deferred_batch_norm(module: nn.Module) -> dict[str, _BatchNorm]:
+    """Replace every BatchNorm inside ``module`` by a :class:`DeferredBatchNorm`, in place.
+
+    Returns:
+        The replaced layers by qualified name, for :func:`restore_batch_norm`.
+    """
+    replaced: dict[str, _BatchNorm] = {}
+    for name, child in list(module.named_modules()):
+        if not isinstance(child, _BatchNorm) or isinstance(child, DeferredBatchNorm):
+            continue
+        if not child.track_running_stats:
+            continue  # no running statistics to defer: normalization is per micro-batch anyway
+        if name == "":
+            raise ValueError("convert_deferred_batch_norm needs a module that contains BatchNorm")
+        parent_name, _, attribute = name.rpartition(".")
+        parent = module.get_submodule(parent_name)
+        setattr(parent, attribute, DeferredBatchNorm.from_batch_norm(child))
+        replaced[name] = child
+    return replaced
+
+
+def restore_batch_norm(module: nn.Module, replaced: dict[str, _BatchNorm]) -> None:
+    """Put back the layers :func:`convert_deferred_batch_norm` replaced (state is shared)."""
+    for name, original in replaced.items():
+        parent_name, _, attribute = name.rpartition(".")
+        parent = module.get_submodule(parent_name)
+        current = getattr(parent, attribute)
+        original.train(current.training)
+        setattr(parent, attribute, original)
+
+
+def deferred_layers(module: nn.Module) -> list[DeferredBatchNorm]:
+    """The deferred BatchNorm layers inside ``module``, in module order."""
+    return [child for child in module.modules() if isinstance(child, DeferredBatchNorm)]
+
+
+class BatchNormCommit:
+    """The end of a step for every deferred BatchNorm of a module, started asynchronously.
+
+    Args:
+        module: a stage (or any module) holding :class:`DeferredBatchNorm` layers.
+        group: the data-parallel group whose replicas together form the mini-batch.
+        reduce: allreduce the accumulators over ``group`` (one flat float64 tensor for all
+            layers) before updating, so that every replica commits the same global statistics.
+    """
+
+    def __init__(
+        self, module: nn.Module, group: dist.ProcessGroup | None = None, reduce: bool = False
+    ) -> None:
+        self.layers = deferred_layers(module)
+        self.pieces = [layer.accumulators() for layer in self.layers]
+        self.flat: torch.Tensor | None = None
+        self.work: dist.Work | None = None
+        if reduce and self.layers:
+            self.flat = torch.cat(self.pieces)
+            self.work = dist.all_reduce(self.flat, group=group, async_op=True)
+
+    def finish(self) -> None:
+        """Wait for the reduction (if any) and update every layer's running statistics."""
+        if self.work is not None:
+            self.work.wait()
+        offset = 0
+        for layer, piece in zip(self.layers, self.pieces):
+            values = piece if self.flat is None else self.flat[offset : offset + piece.numel()]
+            layer.commit(values)
+            offset += piece.numel()
+        self.layers, self.work = [], None
+
+
+def commit_deferred_batch_norm(
+    module: nn.Module, group: dist.ProcessGroup | None = None, reduce: bool = False
+) -> None:
+    """End the step of every deferred BatchNorm of ``module`` (see :class:`BatchNormCommit`)."""
+    BatchNormCommit(module, group, reduce).finish()

@@ -1,0 +1,215 @@
+"""Measure each layer's forward and backward time and its memory on a sample micro-batch.
+
+The partitioner balances stages by these costs (GroPipe's "performance projection"). For each
+layer of a layer sequence, in order, on the output of the previous one:
+
+1. forward time: the fastest of ``repeats`` timed forwards (after one warm-up): other
+   processes on the machine only ever add time, so the minimum is the layer's own cost;
+2. backward time: the fastest of ``repeats`` timed backwards of a fresh forward, with a gradient
+   of ones for every floating-point output;
+3. activation memory: bytes of the distinct tensor storages autograd saves for the backward
+   (``torch.autograd.graph.saved_tensors_hooks``), parameters excluded: what a stage holds per
+   micro-batch in flight;
+4. output bytes: what crosses a cut placed after the layer (and what a recomputing stage keeps);
+5. parameter bytes.
+
+A layer holding deferred-gradient linear layers (:mod:`~lightning_parallel.pipeline.weight_grad`)
+is timed the way the runtime runs it: backward computes input gradients only, and the one
+weight-gradient product over ``micro_batches`` micro-batches is timed and shared among them.
+
+Profiling leaves the model as it found it: gradients, buffers (BatchNorm running statistics)
+and the random-number state are restored.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_parallel.pipeline.recompute import recomputing
+from lightning_parallel.pipeline.weight_grad import deferred_linears, deferring_weight_gradients
+
+__all__: list[str] = []
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """Costs of one layer for one micro-batch."""
+
+    forward_seconds: float
+    backward_seconds: float
+    activation_bytes: int
+    output_bytes: int
+    parameter_bytes: int
+
+    @property
+    def seconds(self) -> float:
+        """Forward plus backward time."""
+        return self.forward_seconds + self.backward_seconds
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    """Per-layer costs of a layer sequence, and the bytes of the model input."""
+
+    layers: tuple[LayerCost, ...]
+    input_bytes: int
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+
+def tensors_of(value: Any) -> list[torch.Tensor]:
+    """The tensors of a stage input or output (a tensor or a tuple/list of them)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for item in value for t in tensors_of(item)]
+    if isinstance(value, dict):
+        return [t for item in value.values() for t in tensors_of(item)]
+    return []
+
+
+def nbytes(value: Any) -> int:
+    """Bytes of the tensors in ``value``."""
+    return sum(t.numel() * t.element_size() for t in tensors_of(value))
+
+
+def _detach(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        leaf = value.detach()
+        return leaf.requires_grad_(leaf.is_floating_point())
+    if isinstance(value, tuple):
+        return tuple(_detach(item) for item in value)
+    if isinstance(value, list):
+        return [_detach(item) for item in value]
+    return value
+
+
+class SavedTensorMeter:
+    """Count the bytes autograd saves for backward, each storage once, parameters excluded."""
+
+    def __init__(self, parameters: Sequence[torch.Tensor] = ()) -> None:
+        self.excluded = {p.untyped_storage().data_ptr() for p in parameters}
+        self.storages: dict[int, int] = {}
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        pointer = storage.data_ptr()
+        if pointer not in self.excluded:
+            self.storages[pointer] = storage.nbytes()
+        return tensor
+
+    @staticmethod
+    def unpack(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    @property
+    def bytes(self) -> int:
+        return sum(self.storages.values())
+
+    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+
+def _fastest_seconds(run: Callable[[], object], repeats: int) -> float:
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        samples.append(time.perf_counter() - start)
+    return min(samples)
+
+
+def _shared_flush_seconds(layers: Sequence[Any], micro_batches: int, repeats: int) -> float:
+    """Time of one weight-gradient flush over ``micro_batches`` kept pairs, per micro-batch."""
+    kept = [layer.pending[:1] for layer in layers]
+    samples = []
+    for _ in range(repeats):
+        for layer, pair in zip(layers, kept):
+            layer.pending[:] = pair * micro_batches
+        start = time.perf_counter()
+        for layer in layers:
+            layer.flush()
+        samples.append(time.perf_counter() - start)
+    return min(samples) / micro_batches
+
+
+def _call(layer: nn.Module, inputs: Any, first: bool) -> Any:
+    return layer(*inputs) if first else layer(inputs)
+
+
+def profile_layers(
+    layers: Sequence[nn.Module],
+    example_args: tuple[Any, ...],
+    repeats: int = 3,
+    micro_batches: int = 1,
+) -> ModelProfile:
+    """Profile every layer of a layer sequence on ``example_args`` (one micro-batch).
+
+    Args:
+        layers: the chain (see :func:`~lightning_parallel.pipeline.stages.layer_sequence`).
+        example_args: positional arguments of the first layer, sized like one micro-batch.
+        repeats: timed runs per layer; the fastest is kept.
+        micro_batches: micro-batches per step (shares deferred weight-gradient work).
+    """
+    if repeats < 1:
+        raise ValueError(f"repeats must be at least 1, got {repeats}")
+    modules = nn.ModuleList(layers)
+    parameters = list(modules.parameters())
+    saved_grads = [p.grad for p in parameters]
+    saved_buffers = [b.detach().clone() for b in modules.buffers()]
+    costs = []
+    try:
+        with torch.random.fork_rng(devices=[]), recomputing():
+            current: Any = example_args
+            for index, layer in enumerate(layers):
+                first = index == 0
+                inputs = _detach(current)
+
+                def forward(
+                    layer: nn.Module = layer, inputs: Any = inputs, first: bool = first
+                ) -> Any:
+                    return _call(layer, inputs, first)
+
+                output = forward()  # warm-up
+                forward_seconds = _fastest_seconds(forward, repeats)
+                meter = SavedTensorMeter(parameters)
+                with meter.hooks():
+                    output = forward()
+                backward_samples = []
+                deferred = deferred_linears(layer)
+                for _ in range(repeats):
+                    with deferring_weight_gradients(bool(deferred)):
+                        fresh = forward()
+                    floats = [t for t in tensors_of(fresh) if t.requires_grad]
+                    start = time.perf_counter()
+                    if floats:
+                        torch.autograd.backward(floats, [torch.ones_like(t) for t in floats])
+                    backward_samples.append(time.perf_counter() - start)
+                backward_seconds = min(backward_samples)
+                if deferred:
+                    backward_seconds += _shared_flush_seconds(deferred, micro_batches, repeats)
+                layer_parameters = list(layer.parameters())
+                costs.append(
+                    LayerCost(
+                        forward_seconds=forward_seconds,
+                        backward_seconds=backward_seconds,
+                        activation_bytes=meter.bytes,
+                        output_bytes=nbytes(output),
+                        parameter_bytes=sum(p.numel() * p.element_size() for p in layer_parameters),
+                    )
+                )
+                current = output
+    finally:
+        for parameter, grad in zip(parameters, saved_grads):
+            parameter.grad = grad
+        with torch.no_grad():
+            for buffer, saved in zip(modules.buffers(), saved_buffers):
+                buffer.copy_(saved)
+    return ModelProfile(tuple(costs), nbytes(example_args))

@@ -1,0 +1,89 @@
+"""Place ``g`` groups of ``p`` stages on ``g·p`` ranks and build their process groups.
+
+GroPipe's mesh has two axes: *pipeline* (the ``p`` stages of one group, one model replica)
+and *data parallel* (the ``g`` replicas of one stage). Rank of stage ``k`` in group ``i``::
+
+    rank(i, k) = i·p + (p − 1 − k)
+
+Ranks of a group are consecutive (on a multi-host cluster with ``p`` processes per host, a
+pipeline stays on one host and only the data-parallel allreduce crosses hosts), and the *last*
+stage comes first, so global rank 0 holds the last stage of group 0: the stage that computes
+the loss, where Lightning's loggers and progress bar live.
+
+For 2 groups of 3 stages::
+
+    rank:   0  1  2  3  4  5
+    group:  0  0  0  1  1  1
+    stage:  2  1  0  2  1  0
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+__all__: list[str] = []
+
+
+@dataclass(frozen=True)
+class PipelineTopology:
+    """The (group, stage) coordinates of every rank of ``world_size = groups · stages``."""
+
+    world_size: int
+    stages: int
+
+    def __post_init__(self) -> None:
+        if self.stages < 1:
+            raise ValueError(f"stages must be at least 1, got {self.stages}")
+        if self.world_size % self.stages:
+            raise ValueError(
+                f"world size {self.world_size} is not a multiple of stages={self.stages}; "
+                f"launch a multiple of {self.stages} processes (devices x nodes), or change stages"
+            )
+
+    @property
+    def groups(self) -> int:
+        return self.world_size // self.stages
+
+    def rank(self, group: int, stage: int) -> int:
+        return group * self.stages + (self.stages - 1 - stage)
+
+    def group_of(self, rank: int) -> int:
+        return rank // self.stages
+
+    def stage_of(self, rank: int) -> int:
+        return self.stages - 1 - rank % self.stages
+
+    def pipeline_ranks(self, group: int) -> list[int]:
+        """Global ranks of ``group``'s stages, by stage index."""
+        return [self.rank(group, stage) for stage in range(self.stages)]
+
+    def data_parallel_ranks(self, stage: int) -> list[int]:
+        """Global ranks holding ``stage``, by group index."""
+        return [self.rank(group, stage) for group in range(self.groups)]
+
+
+@dataclass
+class ProcessGroups:
+    """This rank's pipeline group and data-parallel group."""
+
+    pipeline: dist.ProcessGroup | None
+    data_parallel: dist.ProcessGroup | None
+
+
+def build_process_groups(topology: PipelineTopology, rank: int) -> ProcessGroups:
+    """Create every pipeline and data-parallel group (collectively, on every rank, in the same
+    order) and return those that contain ``rank``."""
+    pipeline = data_parallel = None
+    for group in range(topology.groups):
+        ranks = topology.pipeline_ranks(group)
+        created = dist.new_group(sorted(ranks))
+        if rank in ranks:
+            pipeline = created
+    for stage in range(topology.stages):
+        ranks = topology.data_parallel_ranks(stage)
+        created = dist.new_group(sorted(ranks))
+        if rank in ranks:
+            data_parallel = created
+    return ProcessGroups(pipeline, data_parallel)

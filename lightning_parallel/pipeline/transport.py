@@ -1,0 +1,187 @@
+"""Point-to-point transport of activations and gradients between neighbouring stages.
+
+Every message goes over ``torch.distributed`` ``isend``/``recv`` (gloo on CPU, NCCL on CUDA),
+never as a pickled object:
+
+1. forward, stage ``k`` to ``k+1``: a fixed-size int64 *header* tensor describing the payload
+   (tuple or single tensor, count, and per tensor its dtype code, whether it requires grad, its
+   rank and sizes), then each tensor; the receiver allocates from the header, so shapes may
+   change from one micro-batch to the next (a smaller last micro-batch);
+2. backward, stage ``k+1`` to ``k``: the gradient of every input that required grad, no header
+   (stage ``k`` knows the shapes of what it sent).
+
+Sends are asynchronous: :meth:`StageTransport.wait_sends` completes them (call it before the
+step ends, the buffers must stay alive until then). Receives block; their waiting time is
+returned for the timeline.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__: list[str] = []
+
+HEADER_LENGTH = 128
+ACTIVATION_TAG = 11
+GRADIENT_TAG = 12
+
+_DTYPES: tuple[torch.dtype, ...] = (
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+    torch.complex64,
+    torch.complex128,
+)
+
+
+def encode_header(tensors: Sequence[torch.Tensor], is_tuple: bool) -> torch.Tensor:
+    """The int64 header of a forward message (see the module docstring)."""
+    fields = [1 if is_tuple else 0, len(tensors)]
+    for tensor in tensors:
+        if tensor.dtype not in _DTYPES:
+            raise TypeError(f"cannot send a {tensor.dtype} tensor between stages")
+        fields += [
+            _DTYPES.index(tensor.dtype),
+            int(tensor.requires_grad),
+            tensor.dim(),
+            *tensor.shape,
+        ]
+    if len(fields) > HEADER_LENGTH:
+        raise ValueError(
+            f"a stage output of {len(tensors)} tensors needs a {len(fields)}-entry header, more "
+            f"than {HEADER_LENGTH}; return fewer tensors across a stage boundary (choose other "
+            "partition boundaries)"
+        )
+    header = torch.zeros(HEADER_LENGTH, dtype=torch.int64)
+    header[: len(fields)] = torch.tensor(fields, dtype=torch.int64)
+    return header
+
+
+def decode_header(header: torch.Tensor) -> tuple[bool, list[tuple[torch.dtype, bool, list[int]]]]:
+    """Inverse of :func:`encode_header`: (is_tuple, [(dtype, requires_grad, shape)])."""
+    values = header.tolist()
+    is_tuple, count = bool(values[0]), int(values[1])
+    specs, position = [], 2
+    for _ in range(count):
+        dtype, requires_grad, rank = values[position : position + 3]
+        shape = values[position + 3 : position + 3 + rank]
+        specs.append((_DTYPES[dtype], bool(requires_grad), shape))
+        position += 3 + rank
+    return is_tuple, specs
+
+
+def stage_output_tensors(output: Any, stage: int) -> tuple[list[torch.Tensor], bool]:
+    """The tensors of a stage output that is not the last stage's, and whether it was a tuple."""
+    if isinstance(output, torch.Tensor):
+        return [output], False
+    if (
+        isinstance(output, (tuple, list))
+        and output
+        and all(isinstance(t, torch.Tensor) for t in output)
+    ):
+        return list(output), True
+    raise TypeError(
+        f"stage {stage} returned {type(output).__name__}; a stage that feeds another must return "
+        "a tensor or a tuple of tensors (move the cut, or return tensors from that layer)"
+    )
+
+
+class StageTransport:
+    """Send and receive a stage's activations and gradients over ``torch.distributed``.
+
+    Args:
+        stage: this stage's index ``k``.
+        stage_ranks: global rank of every stage of this pipeline, by stage index.
+        group: process group that contains ``stage_ranks`` (``None``: the default group).
+        device: device to receive tensors on.
+    """
+
+    def __init__(
+        self,
+        stage: int,
+        stage_ranks: Sequence[int],
+        group: dist.ProcessGroup | None = None,
+        device: torch.device | None = None,
+    ) -> None:
+        if not 0 <= stage < len(stage_ranks):
+            raise ValueError(f"stage {stage} is outside 0..{len(stage_ranks) - 1}")
+        self.stage = stage
+        self.stage_ranks = list(stage_ranks)
+        self.group = group
+        self.device = device or torch.device("cpu")
+        self.pending: list[tuple[Any, torch.Tensor]] = []
+        self.bytes_sent = 0
+
+    @property
+    def previous_rank(self) -> int:
+        return self.stage_ranks[self.stage - 1]
+
+    @property
+    def next_rank(self) -> int:
+        return self.stage_ranks[self.stage + 1]
+
+    def _isend(self, tensor: torch.Tensor, destination: int, tag: int) -> None:
+        payload = tensor.detach().contiguous()
+        work = dist.isend(payload, dst=destination, group=self.group, tag=tag)
+        self.pending.append((work, payload))
+        self.bytes_sent += payload.numel() * payload.element_size()
+
+    def send_activations(self, output: Any) -> None:
+        """Send a stage output (tensor or tuple of tensors) to the next stage."""
+        tensors, is_tuple = stage_output_tensors(output, self.stage)
+        self._isend(
+            encode_header(tensors, is_tuple).to(self.device), self.next_rank, ACTIVATION_TAG
+        )
+        for tensor in tensors:
+            self._isend(tensor, self.next_rank, ACTIVATION_TAG)
+
+    def recv_activations(self) -> tuple[Any, float]:
+        """Receive the previous stage's output, as sent; floating tensors become leaves that
+        require grad where the sender's did. Returns (value, seconds spent waiting)."""
+        start = time.perf_counter()
+        header = torch.empty(HEADER_LENGTH, dtype=torch.int64, device=self.device)
+        dist.recv(header, src=self.previous_rank, group=self.group, tag=ACTIVATION_TAG)
+        is_tuple, specs = decode_header(header.cpu())
+        tensors = []
+        for dtype, requires_grad, shape in specs:
+            tensor = torch.empty(shape, dtype=dtype, device=self.device)
+            dist.recv(tensor, src=self.previous_rank, group=self.group, tag=ACTIVATION_TAG)
+            tensors.append(tensor.requires_grad_(requires_grad))
+        waited = time.perf_counter() - start
+        return (tuple(tensors) if is_tuple else tensors[0]), waited
+
+    def send_gradients(self, gradients: Sequence[torch.Tensor]) -> None:
+        """Send the gradients of this stage's inputs that required grad to the previous stage."""
+        for gradient in gradients:
+            self._isend(gradient, self.previous_rank, GRADIENT_TAG)
+
+    def recv_gradients(self, outputs: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], float]:
+        """Receive the gradients of ``outputs`` (those that require grad) from the next stage."""
+        start = time.perf_counter()
+        gradients = []
+        for output in outputs:
+            gradient = torch.empty_like(output, device=self.device)
+            dist.recv(gradient, src=self.next_rank, group=self.group, tag=GRADIENT_TAG)
+            gradients.append(gradient)
+        return gradients, time.perf_counter() - start
+
+    def wait_sends(self) -> float:
+        """Complete every pending send; returns the seconds spent waiting."""
+        start = time.perf_counter()
+        for work, _payload in self.pending:
+            if work is not None:
+                work.wait()
+        self.pending.clear()
+        return time.perf_counter() - start

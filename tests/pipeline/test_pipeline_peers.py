@@ -1,0 +1,72 @@
+"""The benchmark's pipeline peers train exactly what one device trains, so that the benchmark
+compares engines and partitions, not different mathematics."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "strategies"))
+
+from test_gropipe import BATCH, Net, assert_same_weights, loader, trainer
+
+from lightning_parallel.bench.specs import build_strategy
+from lightning_parallel.callbacks.comm_stats import CommStats
+
+
+class CrossEntropyNet(Net):
+    """DeepSpeed's engine computes the loss itself: cross-entropy, as in the demo models."""
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", F.cross_entropy(self(x), y))
+
+
+@pytest.mark.parametrize("name", ["torch_gpipe", "torch_1f1b"])
+def test_torch_pipelining_peers_match_single_device(name: str) -> None:
+    reference = Net()
+    trainer("auto", 1).fit(reference, loader(shuffled=True), loader())
+    model = Net()
+    strategy = build_strategy(f"{name}:stages=2,micro_batches=4,start_method=fork")
+    # CommStats wraps dist.isend, which torch's P2POp refuses: the peer must cope
+    trainer(strategy, 2, callbacks=[CommStats(log=False)]).fit(model, loader(), loader())
+    assert_same_weights(reference, model)
+
+
+def test_torch_pipelining_peer_with_two_groups() -> None:
+    reference = Net()
+    trainer("auto", 1).fit(reference, loader(2 * BATCH, shuffled=True))
+    model = Net()
+    trainer(build_strategy("torch_1f1b:stages=2,micro_batches=2,start_method=fork"), 4).fit(
+        model, loader(BATCH)
+    )
+    assert_same_weights(reference, model)
+
+
+def test_gropipe_is_a_benchmark_name() -> None:
+    strategy = build_strategy("gropipe:stages=2,micro_batches=8")
+    assert (strategy.stages, strategy.micro_batches) == (2, 8)  # type: ignore[attr-defined]
+
+
+def test_deepspeed_pipeline_engine_peer() -> None:
+    if importlib.util.find_spec("deepspeed") is None:
+        strategy = build_strategy("deepspeed_pipe:stages=2,micro_batches=4,start_method=fork")
+        with pytest.raises(ImportError, match=r"pip install 'lightning-parallel\[bench\]'"):
+            strategy._build_engine(BATCH)  # type: ignore[attr-defined]
+        return
+    reference = CrossEntropyNet()
+    trainer("auto", 1).fit(reference, loader(shuffled=True), loader())
+    model = CrossEntropyNet()
+    strategy = build_strategy("deepspeed_pipe:stages=2,micro_batches=4,start_method=fork")
+    run = trainer(strategy, 2)
+    run.fit(model, loader(), loader())
+    assert_same_weights(reference, model)
+    torch.testing.assert_close(
+        run.callback_metrics["val_loss"], reference.trainer.callback_metrics["val_loss"]
+    )
