@@ -14,6 +14,7 @@ from lightning_parallel.strategies import (
     HookedDDPStrategy,
     ModelAveragingStrategy,
     PowerSGDDDPStrategy,
+    SpecTrainStrategy,
     register_strategy,
     registered_names,
 )
@@ -26,6 +27,7 @@ __all__ = [
     "HookedDDPStrategy",
     "ModelAveragingStrategy",
     "PowerSGDDDPStrategy",
+    "SpecTrainStrategy",
     "Straggler",
     "__version__",
     "process_ledger",

@@ -16,6 +16,7 @@ _EXPECTED_NAMES = {
     "easgd",
     "diloco",
     "gropipe",
+    "spectrain",
 }
 
 

@@ -18,6 +18,7 @@ from lightning_parallel.pipeline.microbatch import (
     microbatch_sizes,
     split_microbatches,
 )
+from lightning_parallel.pipeline.noflush import NoFlushPipeline, StageTelemetry
 from lightning_parallel.pipeline.partition import (
     PartitionError,
     PartitionPlan,
@@ -57,8 +58,36 @@ from lightning_parallel.pipeline.weight_grad import (
     flush_weight_gradients,
     restore_linear,
 )
+from lightning_parallel.pipeline.weight_prediction import (
+    PREDICTION_MODES,
+    AdamDirection,
+    DoubleBufferedWeights,
+    LearningRateForecast,
+    MomentumBuffer,
+    PredictionErrorMeter,
+    ScheduledLearningRate,
+    SmoothedGradient,
+    SpecTrainPrediction,
+    WeightPredictor,
+    WeightStashing,
+    make_weight_predictor,
+)
 
 __all__ = [
+    "NoFlushPipeline",
+    "StageTelemetry",
+    "PREDICTION_MODES",
+    "AdamDirection",
+    "DoubleBufferedWeights",
+    "LearningRateForecast",
+    "MomentumBuffer",
+    "PredictionErrorMeter",
+    "ScheduledLearningRate",
+    "SmoothedGradient",
+    "SpecTrainPrediction",
+    "WeightPredictor",
+    "WeightStashing",
+    "make_weight_predictor",
     "RECOMPUTE_MODES",
     "Action",
     "BatchNormCommit",

@@ -4,12 +4,14 @@ from lightning_parallel.strategies.ddp_hooks import HookedDDPStrategy, PowerSGDD
 from lightning_parallel.strategies.gropipe import GroPipeStrategy
 from lightning_parallel.strategies.model_averaging import ModelAveragingStrategy
 from lightning_parallel.strategies.registry import register_strategy, registered_names
+from lightning_parallel.strategies.spectrain import SpecTrainStrategy
 
 __all__ = [
     "GroPipeStrategy",
     "HookedDDPStrategy",
     "ModelAveragingStrategy",
     "PowerSGDDDPStrategy",
+    "SpecTrainStrategy",
     "register_strategy",
     "registered_names",
 ]

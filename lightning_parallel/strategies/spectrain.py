@@ -1,0 +1,618 @@
+"""SpecTrain: a pipeline that never flushes, with the weights each pass uses predicted.
+
+``SpecTrainStrategy(stages=p)`` trains an unchanged ``LightningModule`` as ``world_size / p``
+data-parallel pipelines of ``p`` stages ("Efficient and Robust Pipeline Design for Multi-GPU
+DNN Training through Model Parallelism", published as SpecTrain, Chen et al. 2018). Unlike
+``gropipe`` the pipeline is asynchronous: each micro-batch is one weight update, stages update
+independently right after each backward, and micro-batches stay in flight from one
+``training_step`` to the next (:mod:`lightning_parallel.pipeline.noflush`), so the pipeline
+fills once per epoch instead of once per step. Stage ``k`` applies gradients ``N-k-1`` updates
+stale; ``prediction`` chooses the correction
+(:mod:`lightning_parallel.pipeline.weight_prediction`).
+
+It reuses the ``gropipe`` integration (it subclasses :class:`GroPipeStrategy`): placement (the
+last stage of group 0 is global rank 0), partitioning, capture of the model input on stage 0,
+``forward`` patched on the last stage so the user's ``training_step`` computes the loss of the
+pipeline output, validation/test/predict as pipelined forwards, per-group samplers,
+consolidated checkpoints that load under ``ddp`` or on one device. What differs, per training
+step on every rank:
+
+1. split the batch into ``micro_batches`` units and run them through the no-flush runtime: for
+   each unit, the forward of this unit and the backward of the one ``N-k-1`` units older, then
+   the stage's update (gradients averaged across groups first, then Lightning's
+   ``on_before_optimizer_step`` hooks and gradient clipping, then ``optimizer.step()``);
+2. the last stage logs what ``training_step`` logged (one combined value per step) and the
+   loss; an *asynchronous* allreduce in the pipeline group carries those values and each
+   stage's staleness, prediction error and bubble to every rank, completed at the next step
+   (no per-step synchronization of the stages: ranks other than the last stage see training
+   values one step late; at the last batch of an epoch the exchange completes at once);
+3. Lightning's own ``optimizer.step`` becomes a no-op (the runtime already updated).
+
+The pipeline drains (no sample lost or counted twice) before validation, at the end of every
+epoch, before a checkpoint and at the end of ``fit``. Gradient clipping by norm uses the norm
+of the update's gradient over all stages as the runtime estimates it without waiting (exact on
+stage 0; on stage k the share of stages k..N-1 is exact, the upstream share is taken from the
+newest update whose total is known); by value is local. ``accumulate_grad_batches`` must be 1.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+import torch.distributed as dist
+from lightning_fabric.plugins.collectives.torch_collective import default_pg_timeout
+from pytorch_lightning.callbacks import Callback
+from pytorch_lightning.trainer.states import TrainerFn
+from torch import Tensor, nn
+
+from lightning_parallel.comm.ledger import process_ledger
+from lightning_parallel.pipeline.microbatch import batch_size, split_microbatches
+from lightning_parallel.pipeline.noflush import NoFlushPipeline
+from lightning_parallel.pipeline.summary import LoggedValue, LogRecorder
+from lightning_parallel.pipeline.timeline import events_to_dicts, plot_timeline
+from lightning_parallel.pipeline.weight_prediction import (
+    PREDICTION_MODES,
+    LearningRateForecast,
+    ScheduledLearningRate,
+    make_weight_predictor,
+)
+from lightning_parallel.strategies.gropipe import GroPipeStrategy, _patched
+from lightning_parallel.strategies.registry import register_strategy
+
+__all__: list[str] = []
+
+_TELEMETRY = ("staleness", "prediction_error", "stale_error", "bubble")
+
+
+@dataclass
+class _Mirrored:
+    """What every rank of a pipeline learns from one step's exchange."""
+
+    loss: float
+    logged: list[LoggedValue]
+    telemetry: list[list[float]]  # per stage, the values of _TELEMETRY (nan: unknown)
+
+
+class _AsyncMirror:
+    """Carry the last stage's loss and logged values, and every stage's telemetry, to all
+    ranks of a pipeline with an asynchronous allreduce completed one step later.
+
+    Vector: ``[loss, schema fingerprint, value count, telemetry (4 per stage), values...]``;
+    each rank writes its own slots (zeros elsewhere), so the sum is a gather. The names and
+    options of the logged values travel once, by broadcast, when their fingerprint changes.
+    """
+
+    def __init__(
+        self, stages: int, stage: int, group: dist.ProcessGroup | None, source_rank: int
+    ) -> None:
+        self.stages, self.stage, self.group, self.source_rank = stages, stage, group, source_rank
+        self.capacity = 64
+        self._schema: list[tuple[str, dict[str, Any]]] = []
+        self._fingerprint = 0
+        self._pending: tuple[Any, Tensor, list[LoggedValue]] | None = None
+
+    @property
+    def last(self) -> bool:
+        return self.stage == self.stages - 1
+
+    def launch(
+        self, loss: float, logged: Sequence[LoggedValue], telemetry: Sequence[float]
+    ) -> None:
+        """Start the exchange of this step (every rank of the pipeline, once per step)."""
+        p = self.stages
+        vector = torch.zeros(3 + len(_TELEMETRY) * p + self.capacity, dtype=torch.float64)
+        if self.last:
+            schema = [(v.name, v.options) for v in logged]
+            vector[0] = loss
+            vector[1] = float(zlib.crc32(repr(schema).encode()) + 1)
+            vector[2] = float(len(logged))
+            for i, entry in enumerate(logged[: self.capacity]):
+                vector[3 + len(_TELEMETRY) * p + i] = entry.value
+        for i, figure in enumerate(telemetry):
+            vector[3 + i * p + self.stage] = figure
+        work = dist.all_reduce(vector, group=self.group, async_op=True)
+        self._pending = (work, vector, list(logged))
+
+    def complete(self) -> _Mirrored | None:
+        """Finish the pending exchange (None if there is none)."""
+        if self._pending is None:
+            return None
+        work, vector, logged = self._pending
+        self._pending = None
+        work.wait()
+        p, count = self.stages, int(vector[2])
+        values = vector[3 + len(_TELEMETRY) * p : 3 + len(_TELEMETRY) * p + count].tolist()
+        fingerprint = int(vector[1])
+        if fingerprint != self._fingerprint or count > self.capacity:
+            payload: list[Any] = [
+                ([(v.name, v.options) for v in logged], [v.value for v in logged])
+                if self.last
+                else None
+            ]
+            dist.broadcast_object_list(payload, src=self.source_rank, group=self.group)
+            self._schema, all_values = payload[0]
+            self._fingerprint = fingerprint
+            if count > self.capacity:
+                values = all_values
+        metrics = [v.metric for v in logged] if self.last else [None] * count
+        mirrored = [
+            LoggedValue(name, value, dict(options), metric)
+            for (name, options), value, metric in zip(self._schema, values, metrics)
+        ]
+        telemetry = [
+            [float(vector[3 + i * p + k]) for i in range(len(_TELEMETRY))] for k in range(p)
+        ]
+        return _Mirrored(float(vector[0]), mirrored, telemetry)
+
+
+class _DrainAtEpochEnd(Callback):
+    """Drain the pipeline at the end of every training epoch; carry predictor state in
+    checkpoints."""
+
+    def __init__(self, strategy: SpecTrainStrategy) -> None:
+        self.strategy = strategy
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.strategy.drain()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.strategy.pipeline_state()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.strategy.load_pipeline_state(state_dict)
+
+
+class SpecTrainStrategy(GroPipeStrategy):
+    """Train any LightningModule as asynchronous no-flush pipelines with weight prediction.
+
+    Args:
+        stages: pipeline stages per group, ``N``; the world size must be a multiple of it.
+        micro_batches: units per batch; every unit is one weight update (1: the batch is the
+            unit, as in the paper).
+        prediction: ``"v2"`` (forward and backward on the weights predicted ``N-k-1`` updates
+            ahead), ``"v1"`` (the paper: forward ``⌊k/2⌋+N-k-1``, backward ``⌊k/2⌋`` ahead),
+            ``"stash"`` (PipeDream weight stashing), ``"2bw"`` (double-buffered weights,
+            one update per ``N`` units), ``"none"`` or ``None`` (stale weights).
+        learning_rates: ``"schedule"`` (predict with the scheduler's own next learning rates
+            when one is configured) or ``"constant"`` (``s·η``).
+        direction: ``"auto"`` (Adam's update direction for Adam/AdamW, SGD's momentum buffer
+            for SGD with momentum, else the smoothed gradient), ``"smoothed_gradient"``,
+            ``"momentum_buffer"`` or ``"adam"``.
+        gamma: smoothing of the gradient (default: the optimizer's momentum, else 0.9).
+        partition: ``"auto"``, ``"even"`` or the ``N-1`` stage boundaries (see ``gropipe``).
+        error_sample: coordinates per stage the online prediction error samples (0: off).
+        timeline_path: write the measured timeline of the last ``timeline_steps`` steps there
+            at the end of ``fit`` (``.json``, or ``.png`` for a plot).
+        timeline_steps: steps of timeline kept.
+        start_method: ``"popen"``, ``"spawn"``, ``"fork"`` or ``"forkserver"``; nothing is
+            launched when processes are started externally (torchrun, SLURM, the benchmark).
+        process_group_backend: ``"gloo"`` or ``"nccl"`` (default: by device).
+        timeout: collective timeout.
+    """
+
+    strategy_name = "spectrain"
+    reports_communication = True
+
+    def __init__(
+        self,
+        stages: int = 2,
+        micro_batches: int = 1,
+        prediction: str | None = "v2",
+        learning_rates: str = "schedule",
+        direction: str = "auto",
+        gamma: float | None = None,
+        partition: str | Sequence[int] = "auto",
+        error_sample: int = 4096,
+        timeline_path: str | None = None,
+        timeline_steps: int = 3,
+        start_method: str = "popen",
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: Any = None,
+        checkpoint_io: Any = None,
+        precision_plugin: Any = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+    ) -> None:
+        if prediction is None:  # "none" parsed as None by config parsers (the benchmark's)
+            prediction = "none"
+        if prediction not in PREDICTION_MODES:
+            raise ValueError(f"prediction must be one of {PREDICTION_MODES}, got {prediction!r}")
+        if learning_rates not in ("schedule", "constant"):
+            raise ValueError(
+                f"learning_rates must be 'schedule' or 'constant', got {learning_rates!r}"
+            )
+        if direction not in ("auto", "smoothed_gradient", "momentum_buffer", "adam"):
+            raise ValueError(
+                "direction must be 'auto', 'smoothed_gradient', 'momentum_buffer' or 'adam', "
+                f"got {direction!r}"
+            )
+        if gamma is not None and not 0.0 <= gamma < 1.0:
+            raise ValueError(f"gamma must be in [0, 1), got {gamma}")
+        if error_sample < 0:
+            raise ValueError(f"error_sample must be >= 0 (0 turns it off), got {error_sample}")
+        super().__init__(
+            stages=stages,
+            micro_batches=micro_batches,
+            schedule="1f1b",
+            partition=partition,
+            recompute="never",
+            deferred_batch_norm=False,  # every unit is its own mini-batch: plain BatchNorm
+            timeline_path=timeline_path,
+            timeline_steps=timeline_steps,
+            start_method=start_method,
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
+        self.prediction = prediction
+        self.learning_rates = learning_rates
+        self.direction = direction
+        self.gamma = gamma
+        self.error_sample = error_sample
+        self.last_mirrored: _Mirrored | None = None
+        self._noflush: NoFlushPipeline | None = None
+        self._mirror: _AsyncMirror | None = None
+        self._mirror_groups: list[dist.ProcessGroup] | None = None
+        self._loaded_state: dict[str, Any] | None = None
+        self._callback = _DrainAtEpochEnd(self)
+        self._timeline_from = 0
+
+    @property
+    def noflush(self) -> NoFlushPipeline | None:
+        """This rank's no-flush stage runtime (built at the first training batch)."""
+        return self._noflush
+
+    # -- setup ---------------------------------------------------------------------------------
+
+    def _attach_callback(self) -> None:
+        module = self.lightning_module
+        trainer = getattr(module, "_trainer", None) if module is not None else None
+        if trainer is None:
+            return
+        callbacks: list[Callback] = trainer.callbacks
+        if self._callback not in callbacks:
+            callbacks.append(self._callback)
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        # before Lightning restores callback state from a checkpoint (that precedes setup())
+        self._attach_callback()
+        if self.stages > 1 and self._mirror_groups is None and self._topology is not None:
+            # a group of its own, so the asynchronous exchange never queues behind other work
+            self._mirror_groups = [
+                dist.new_group(sorted(self._topology.pipeline_ranks(group)))
+                for group in range(self._topology.groups)
+            ]
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        if trainer.state.fn == TrainerFn.FITTING and trainer.accumulate_grad_batches != 1:
+            raise ValueError(
+                "SpecTrainStrategy updates the weights after every micro-batch; "
+                f"accumulate_grad_batches={trainer.accumulate_grad_batches} is not supported. "
+                "Use accumulate_grad_batches=1 (prediction='2bw' accumulates N micro-batches "
+                "per update)"
+            )
+        super().setup(trainer)
+        if trainer.state.fn == TrainerFn.FITTING and len(self.optimizers) != 1:
+            raise ValueError(
+                f"SpecTrainStrategy needs exactly one optimizer, got {len(self.optimizers)}"
+            )
+        self._attach_callback()
+        self._noflush = None
+        self._mirror = None
+
+    def teardown(self) -> None:
+        self._noflush = None
+        self._mirror = None
+        super().teardown()
+
+    def _forecast(self, optimizer: torch.optim.Optimizer, count: int) -> LearningRateForecast:
+        trainer = self.lightning_module.trainer  # type: ignore[union-attr]
+        configs = [c for c in trainer.lr_scheduler_configs if c.scheduler.optimizer is optimizer]
+        if self.learning_rates == "constant" or len(configs) != 1:
+            return LearningRateForecast(optimizer)
+        config = configs[0]
+        if isinstance(config.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            return LearningRateForecast(optimizer)
+        per_step = count * max(int(config.frequency), 1)
+        if config.interval == "epoch":
+            per_step *= max(int(trainer.num_training_batches), 1)
+        return ScheduledLearningRate(optimizer, config.scheduler, per_step)  # type: ignore[arg-type]
+
+    def _ensure_noflush(self, count: int) -> NoFlushPipeline:
+        if self._noflush is not None:
+            return self._noflush
+        assert self._pipeline is not None and self._groups is not None
+        assert self._topology is not None
+        module = self.lightning_module
+        assert module is not None
+        k = self.stage_index
+        optimizer = self.optimizers[0]
+        owned = self._pipeline.owned_parameters[k]
+        predictor = make_weight_predictor(
+            self.prediction,
+            owned,
+            optimizer,
+            stage=k,
+            stages=self.stages,
+            direction=self.direction,  # type: ignore[arg-type]
+            gamma=self.gamma,
+            learning_rates=self._forecast(optimizer, count),
+            error_sample=self.error_sample or None,
+        )
+
+        def before_update(parameters: list[nn.Parameter]) -> None:
+            # Lightning's own pre-step work: hooks, then clipping (by norm: over all stages)
+            self.precision_plugin._after_closure(module, optimizer)
+
+        self._noflush = NoFlushPipeline(
+            self._pipeline.stages[k],
+            stage=k,
+            stages=self.stages,
+            optimizer=optimizer,
+            predictor=predictor,
+            transport=self._pipeline.runtime.transport,
+            data_parallel_group=self._groups.data_parallel if self.groups > 1 else None,
+            before_update=before_update,
+            record_timeline=True,
+            rank=self.global_rank,
+            parameters=owned,
+            track_norms=bool(module.trainer.gradient_clip_val)
+            and module.trainer.gradient_clip_algorithm in (None, "norm"),
+        )
+        if self._loaded_state is not None:
+            self._noflush.load_state_dict(self._loaded_state["stages"][k])
+            self._loaded_state = None
+        if self.stages > 1:
+            assert self._mirror_groups is not None
+            self._mirror = _AsyncMirror(
+                self.stages,
+                k,
+                self._mirror_groups[self.group_index],
+                self._topology.rank(self.group_index, self.stages - 1),
+            )
+        return self._noflush
+
+    # -- the training step ---------------------------------------------------------------------
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        module = self.lightning_module
+        assert module is not None
+        trainer = module.trainer
+        batch, hook_args = args[0], args[1:]
+        micro = split_microbatches(batch, self.micro_batches)
+        sizes = [batch_size(part) for part in micro]
+        total, count = sum(sizes), len(micro)
+        first, last = self.stage_index == 0, self.stage_index == self.stages - 1
+        inputs = None
+        if (first and not last) or self._pipeline is None:
+            parts = micro if first and not last else micro[:1]
+            inputs = [self._capture("training_step", part, hook_args) for part in parts]
+        self._ensure_pipeline(inputs[0] if inputs else ())
+        noflush = self._ensure_noflush(count)
+        recorder = LogRecorder()
+        results: dict[int, Any] = {}
+
+        def loss_fn(forward: Any, index: int) -> Tensor:
+            recorder.start_micro_batch(sizes[index] / total)
+            with (
+                _patched(self._body, "forward", lambda *a, **k: forward(*a)),
+                _patched(module, "log", recorder.log),
+            ):
+                result = module.training_step(micro[index], *hook_args)
+            results[index] = result
+            loss = result.get("loss") if isinstance(result, dict) else result
+            if not isinstance(loss, Tensor):
+                raise ValueError(
+                    "training_step must return the loss tensor (or a dict with 'loss') for every "
+                    "micro-batch under SpecTrainStrategy; skipping a step is not supported"
+                )
+            return loss
+
+        with self.precision_plugin.train_step_context():
+            losses = noflush.step(
+                count,
+                inputs=inputs if first and not last else None,
+                loss_fn=loss_fn if last else None,
+            )
+        loss = sum(float(v) * n / total for v, n in zip(losses, sizes)) if last else math.nan
+        logged = recorder.combined() if last else []
+        if last:
+            self._replay(logged)
+        self._exchange(loss, logged, trainer)
+        self._keep_timeline()
+        if not last:
+            mirrored = self.last_mirrored.loss if self.last_mirrored is not None else 0.0
+            loss = mirrored if math.isfinite(mirrored) else 0.0
+        loss_tensor = torch.tensor(loss, device=self.root_device)
+        result = results.get(count - 1)
+        if isinstance(result, dict):
+            return {**{k: v for k, v in result.items() if k != "loss"}, "loss": loss_tensor}
+        return loss_tensor
+
+    def _exchange(self, loss: float, logged: list[LoggedValue], trainer: pl.Trainer) -> None:
+        """Replay last step's mirrored values, then start this step's exchange."""
+        assert self._noflush is not None
+        telemetry = self._noflush.pop_telemetry()
+        mine = [
+            math.nan if v is None else float(v)
+            for v in (
+                telemetry.staleness_mean,
+                telemetry.prediction_error,
+                telemetry.stale_error,
+                telemetry.bubble_fraction,
+            )
+        ]
+        ledger = process_ledger()
+        ledger.set_gauge("weight_bytes_peak", float(telemetry.weight_bytes_peak))
+        if self._mirror is None:  # one stage: nothing to mirror
+            self._publish(_Mirrored(loss, logged, [mine]))
+            return
+        last = self.stage_index == self.stages - 1
+        self._complete(replay=not last)
+        self._mirror.launch(loss, logged, mine)
+        if trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
+            self._complete(replay=not last)
+
+    def _complete(self, replay: bool) -> None:
+        if self._mirror is None:
+            return
+        mirrored = self._mirror.complete()
+        if mirrored is None:
+            return
+        if replay:
+            self._replay(mirrored.logged)
+        self._publish(mirrored)
+
+    def _publish(self, mirrored: _Mirrored) -> None:
+        """Put each stage's staleness, prediction error and bubble in the ledger's gauges."""
+        self.last_mirrored = mirrored
+        ledger = process_ledger()
+        means: dict[str, list[float]] = {name: [] for name in _TELEMETRY}
+        for stage, values in enumerate(mirrored.telemetry):
+            for name, value in zip(_TELEMETRY, values):
+                if math.isfinite(value):
+                    ledger.set_gauge(f"{name}_stage{stage}", value)
+                    if name != "prediction_error" or stage < self.stages - 1:
+                        means[name].append(value)
+        for name, key in (
+            ("staleness", "staleness_mean"),
+            ("prediction_error", "prediction_error"),
+            ("stale_error", "stale_error"),
+            ("bubble", "bubble_fraction"),
+        ):
+            if means[name]:
+                ledger.set_gauge(key, sum(means[name]) / len(means[name]))
+
+    def _keep_timeline(self) -> None:
+        assert self._noflush is not None
+        events = self._noflush.timeline
+        self.timeline.append(events[self._timeline_from :])
+        # keep memory bounded: forget what the deque no longer holds
+        if len(events) > 100_000:
+            del events[: len(events) - 10_000]
+        self._timeline_from = len(events)
+
+    def _write_timeline(self, path: Path) -> None:
+        """Gather every rank's measured events of the last steps; rank 0 writes them."""
+        events = [event for step in self.timeline for event in step]
+        gathered: list[Any] = [events]
+        if self.world_size > 1:
+            gathered = [None] * self.world_size
+            dist.all_gather_object(gathered, events)
+        if self.global_rank != 0:
+            return
+        everything = [event for rank_events in gathered for event in rank_events]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.suffix == ".png":
+            title = f"SpecTrain, no flush, N={self.stages}, prediction={self.prediction}"
+            plot_timeline(everything, path, title=title)
+        else:
+            path.write_text(json.dumps(events_to_dicts(everything)))
+
+    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        """Nothing to do: the pipeline back-propagated and updated inside ``training_step``."""
+        module = self.lightning_module
+        assert module is not None
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        return self.precision_plugin.post_backward(closure_loss, module)
+
+    def optimizer_step(
+        self,
+        optimizer: Any,
+        closure: Any,
+        model: pl.LightningModule | nn.Module | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """Run the closure (``training_step``, which updates every unit); no extra step."""
+        return closure()
+
+    def _clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
+        """``clip_grad_norm_`` with the runtime's estimate of the norm over all stages (exact
+        on stage 0; see :meth:`NoFlushPipeline._exchange_norms`), without a blocking collective:
+        Lightning broadcasts from rank 0 at every step, so a per-update allreduce across stages
+        that are at different updates would deadlock."""
+        if self._noflush is None:
+            super()._clip_grad_by_norm(optimizer, clip_val)
+            return
+        if not self._noflush.track_norms:
+            raise RuntimeError(
+                "gradient clipping by norm was not announced to the pipeline; set "
+                "Trainer(gradient_clip_val=...) rather than clipping by norm from a hook"
+            )
+        coefficient = float(clip_val) / (self._noflush.global_norm + 1e-6)
+        if coefficient < 1.0:
+            for parameter in self._noflush.parameters:
+                if parameter.grad is not None:
+                    parameter.grad.mul_(coefficient)
+
+    # -- draining ------------------------------------------------------------------------------
+
+    def drain(self) -> None:
+        """Finish every micro-batch in flight and the pending exchange (collective: every rank
+        calls it at the same point)."""
+        if self._noflush is not None:
+            self._noflush.drain()
+            self._complete(replay=False)
+
+    def on_validation_start(self) -> None:
+        self.drain()
+        super().on_validation_start()
+
+    def on_train_end(self) -> None:
+        self.drain()
+        super().on_train_end()
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        self.drain()
+        return super().lightning_module_state_dict()
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        self.drain()
+        return super().optimizer_state(optimizer)
+
+    # -- strategy state in checkpoints ---------------------------------------------------------
+
+    def pipeline_state(self) -> dict[str, Any]:
+        """Every stage's runtime and predictor state (collective; rank 0's copy is complete)."""
+        self.drain()
+        own = self._noflush.state_dict() if self._noflush is not None else None
+        states: list[Any] = [own]
+        if self.world_size > 1 and dist.is_available() and dist.is_initialized():
+            states = [None] * self.world_size
+            dist.all_gather_object(states, own)
+        if self._topology is None or any(s is None for s in states):
+            return {}
+        by_stage = [states[self._topology.rank(0, k)] for k in range(self.stages)]
+        return {"prediction": self.prediction, "stages": by_stage}
+
+    def load_pipeline_state(self, state: dict[str, Any]) -> None:
+        """Resume the predictor state saved by :meth:`pipeline_state` (applied at the first
+        training batch, when the pipeline is built)."""
+        if not state or state.get("prediction") != self.prediction:
+            return
+        if len(state["stages"]) != self.stages:
+            return
+        self._loaded_state = state
+
+
+register_strategy(
+    "spectrain",
+    SpecTrainStrategy,
+    "SpecTrain: no-flush asynchronous pipeline with weight prediction (v2, v1, stash, 2bw, "
+    "none), data parallel across pipelines",
+)
