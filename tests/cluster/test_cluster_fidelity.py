@@ -54,14 +54,26 @@ def _measure(bandwidth: str, iterations: int) -> list[dict[str, float]]:
     return rows
 
 
+def _rate(row: dict[str, float]) -> float:
+    return 8 * row["sent"] / row["seconds"]
+
+
 @pytest.mark.parametrize(("bandwidth", "iterations"), [("100mbit", 1), ("1gbit", 6)])
 def test_allreduce_moves_at_the_configured_rate(bandwidth, iterations):
-    rows = _measure(bandwidth, iterations)
     configured = parse_bandwidth(bandwidth)
-    for row in rows:
-        # ring allreduce on 2 ranks: each rank sends the whole 25 MB once per allreduce
-        assert row["sent"] >= 0.95 * 25e6 * iterations
-        measured = 8 * row["sent"] / row["seconds"]
-        assert measured == pytest.approx(configured, rel=0.15), (
-            f"{bandwidth}: measured {measured / 1e6:.1f} Mbit/s"
+    # CPU contention from other processes can only slow a transfer below the shaped rate, never
+    # speed it above: the best of up to three attempts measures the link, not the machine's load
+    best: list[dict[str, float]] = []
+    for _ in range(3):
+        rows = _measure(bandwidth, iterations)
+        for row in rows:
+            # ring allreduce on 2 ranks: each rank sends the whole 25 MB once per allreduce
+            assert row["sent"] >= 0.95 * 25e6 * iterations
+        if not best or min(map(_rate, rows)) > min(map(_rate, best)):
+            best = rows
+        if all(_rate(row) == pytest.approx(configured, rel=0.15) for row in rows):
+            break
+    for row in best:
+        assert _rate(row) == pytest.approx(configured, rel=0.15), (
+            f"{bandwidth}: measured {_rate(row) / 1e6:.1f} Mbit/s"
         )
