@@ -5,13 +5,14 @@
 """
 
 from lightning_parallel.__about__ import __version__
-from lightning_parallel.callbacks import CommStats, Straggler
+from lightning_parallel.callbacks import CommStats, HyloCompression, Straggler
 from lightning_parallel.comm.accounting import track_collectives
 from lightning_parallel.comm.ledger import CommLedger, process_ledger
 from lightning_parallel.pipeline import HybridCosineLinearLR
 from lightning_parallel.strategies import (
     GroPipeStrategy,
     HookedDDPStrategy,
+    HyloStrategy,
     ModelAveragingStrategy,
     PowerSGDDDPStrategy,
     SpecTrainStrategy,
@@ -25,6 +26,8 @@ __all__ = [
     "GroPipeStrategy",
     "HybridCosineLinearLR",
     "HookedDDPStrategy",
+    "HyloCompression",
+    "HyloStrategy",
     "ModelAveragingStrategy",
     "PowerSGDDDPStrategy",
     "SpecTrainStrategy",

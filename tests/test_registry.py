@@ -17,6 +17,7 @@ _EXPECTED_NAMES = {
     "diloco",
     "gropipe",
     "spectrain",
+    "hylo",
 }
 
 

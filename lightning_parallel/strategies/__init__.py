@@ -2,6 +2,7 @@
 
 from lightning_parallel.strategies.ddp_hooks import HookedDDPStrategy, PowerSGDDDPStrategy
 from lightning_parallel.strategies.gropipe import GroPipeStrategy
+from lightning_parallel.strategies.hylo import HyloStrategy
 from lightning_parallel.strategies.model_averaging import ModelAveragingStrategy
 from lightning_parallel.strategies.registry import register_strategy, registered_names
 from lightning_parallel.strategies.spectrain import SpecTrainStrategy
@@ -9,6 +10,7 @@ from lightning_parallel.strategies.spectrain import SpecTrainStrategy
 __all__ = [
     "GroPipeStrategy",
     "HookedDDPStrategy",
+    "HyloStrategy",
     "ModelAveragingStrategy",
     "PowerSGDDDPStrategy",
     "SpecTrainStrategy",

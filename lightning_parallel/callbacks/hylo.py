@@ -1,0 +1,248 @@
+"""Turn on Hylo layer-wise gradient compression for any DDP-based strategy, on CPU and CUDA.
+
+Lightning registers ``ddp_comm_hook`` only on CUDA and silently drops it on CPU. This callback
+does not go through that path: once the strategy has wrapped the model in
+``DistributedDataParallel`` (``on_fit_start``, before the first backward) it registers the
+:class:`~lightning_parallel.compression.HyloHook` on the DDP module itself, so it runs with
+gloo and NCCL alike, under ``ddp``, ``ddp_spawn``, ``ddp_fork`` and every DDP subclass.
+
+Supported: every strategy whose ``trainer.strategy.model`` is a ``DistributedDataParallel``
+module with no other communication hook. Not supported (a clear error): single-device runs,
+FSDP, DeepSpeed, strategies that already registered a hook.
+
+Example::
+
+    trainer = Trainer(strategy="ddp", callbacks=[HyloCompression(conv_rate=0.05)])
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+import torch.distributed as dist
+from pytorch_lightning.callbacks import Callback
+from pytorch_lightning.utilities.rank_zero import rank_zero_warn
+from torch.nn.parallel import DistributedDataParallel
+
+from lightning_parallel.comm.ledger import process_ledger
+from lightning_parallel.compression import CostModel, HyloHook, HyloPolicy
+from lightning_parallel.compression.exchange import TWO_BIT_EXCHANGES
+
+__all__: list[str] = []
+
+log = logging.getLogger(__name__)
+
+
+class HyloCompression(Callback):
+    """Compress DDP gradients layer by layer: conv kernels top-k, FC 2-bit, small layers dense.
+
+    Algorithm per optimizer step (after ``warmup_steps`` uncompressed steps), per layer (see
+    :mod:`lightning_parallel.compression` and ``docs/hylo.md``):
+
+    1. convolution weights: send the ``k`` kernels of largest gradient norm, ``k`` a rate that
+       falls with the layer's size (``conv_rate`` at 65536 parameters), chosen globally from
+       allreduced per-kernel norms and allreduced densely;
+    2. fully-connected weights: 2-bit codes ``{+s, -s, 0}`` for the values above
+       ``tau = threshold_factor * mean|g|`` (``s`` their mean magnitude), 16 per 32-bit word,
+       averaged by a two-phase compressed allreduce;
+    3. parameters of fewer than ``min_compress_numel`` values: one fused dense allreduce;
+    4. what is not sent is kept per parameter (error feedback) and added next step;
+    5. a cost model, calibrated on the first compressed steps, sends a layer uncompressed from
+       then on when encoding and decoding cost more time than the transfer saves.
+
+    Args:
+        codec: ``"hylo"``, or a peer codec for comparison (``"topk"``, ``"qsgd"``,
+            ``"terngrad"``, ``"signsgd"``), or ``"none"`` (plain DDP through the hook).
+        conv_rate: fraction of kernels sent by a convolution of 65536 parameters (higher =>
+            less compression).
+        fc_bits: 2 (quantize fully-connected weights) or 32 (leave them uncompressed).
+        threshold_factor: 2-bit threshold in units of the mean absolute gradient.
+        min_compress_numel: parameters with fewer values are sent uncompressed.
+        warmup_steps: optimizer steps averaged uncompressed first.
+        exchange: ``"two_phase"`` (bytes per rank flat in the world size) or ``"allgather"``.
+        cost_model: decide per layer whether compression pays, after ``calibration_steps``
+            compressed steps.
+        bandwidth: link bandwidth in bits per second for the cost model (``None``: measured
+            on the compressed exchanges, bytes sent over seconds waited).
+        calibration_steps: first compressed steps on which the cost model measures.
+        per_layer_telemetry: publish per-layer gauges (bytes, compression ratio,
+            encode/decode ms, residual norm) besides the totals.
+        telemetry_every_n_steps: how often the gauges (and residual norms) are refreshed.
+        seed: seed of the stochastic peer codecs (rank ``r`` uses ``seed + r``).
+        overlap: run the exchange on a background thread that overlaps with the rest of the
+            backward pass (``None``: on CPU yes, on CUDA no).
+        reconstruction: what 2-bit codes decode to: ``"mean"`` (the mean magnitude of the
+            values sent, default) or ``"threshold"`` (``tau``, Hylo's literal ``{+tau, -tau, 0}``).
+        policy: a ready :class:`~lightning_parallel.compression.HyloPolicy`; overrides
+            ``codec``, ``conv_rate``, ``fc_bits``, ``threshold_factor``, ``min_compress_numel``,
+            ``reconstruction``.
+
+    Attributes:
+        hook: the :class:`~lightning_parallel.compression.HyloHook` once the fit started.
+    """
+
+    def __init__(
+        self,
+        codec: str = "hylo",
+        conv_rate: float = 0.05,
+        fc_bits: int = 2,
+        threshold_factor: float = 0.7,
+        min_compress_numel: int = 8192,
+        warmup_steps: int = 0,
+        exchange: str = "two_phase",
+        cost_model: bool = True,
+        bandwidth: float | None = None,
+        calibration_steps: int = 2,
+        per_layer_telemetry: bool = True,
+        telemetry_every_n_steps: int = 10,
+        seed: int = 0,
+        overlap: bool | None = None,
+        reconstruction: str = "mean",
+        policy: HyloPolicy | None = None,
+    ) -> None:
+        if exchange not in TWO_BIT_EXCHANGES:
+            raise ValueError(f"exchange must be one of {TWO_BIT_EXCHANGES}, got {exchange!r}")
+        if warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
+        if cost_model and calibration_steps < 1:
+            raise ValueError(
+                "the cost model measures on the first calibration_steps compressed steps: "
+                f"calibration_steps must be >= 1, got {calibration_steps}; raise it or pass "
+                "cost_model=False"
+            )
+        if telemetry_every_n_steps < 1:
+            raise ValueError(
+                f"telemetry_every_n_steps must be a positive value, got {telemetry_every_n_steps}"
+            )
+        self.policy = policy or HyloPolicy(
+            codec=codec,
+            conv_rate=conv_rate,
+            fc_bits=fc_bits,
+            threshold_factor=threshold_factor,
+            min_compress_numel=min_compress_numel,
+            reconstruction=reconstruction,
+        )
+        self.warmup_steps = warmup_steps
+        self.exchange = exchange
+        self.use_cost_model = cost_model
+        self.bandwidth = bandwidth
+        self.calibration_steps = calibration_steps
+        self.per_layer_telemetry = per_layer_telemetry
+        self.telemetry_every_n_steps = telemetry_every_n_steps
+        self.seed = seed
+        self.overlap = overlap
+        self.hook: HyloHook | None = None
+        self._pending_state: dict[str, Any] | None = None
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(codec=self.policy.codec_name)
+
+    @property
+    def hook_calls(self) -> int:
+        """Times DDP called the hook on this rank (one per bucket per optimizer step)."""
+        return self.hook.calls if self.hook is not None else 0
+
+    # -- attach ---------------------------------------------------------------------------
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        # The hook communicates through Python collectives (counted by CommStats), not DDP's
+        # C++ reducer: tell CommStats not to add DDP's analytic gradient bytes as well.
+        trainer.strategy.reports_communication = True  # type: ignore[attr-defined]
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        ddp = trainer.strategy.model
+        if not isinstance(ddp, DistributedDataParallel):
+            raise RuntimeError(
+                "HyloCompression compresses DistributedDataParallel gradients, but the strategy "
+                f"{type(trainer.strategy).__name__} did not wrap the model in DDP: use "
+                'strategy="ddp" (or "ddp_spawn", "hylo", any DDP-based strategy) with at least '
+                "2 processes, or remove the callback"
+            )
+        previous = self.hook.state_dict() if self.hook is not None else None
+        bandwidth = self.bandwidth / 8.0 if self.bandwidth is not None else None
+        self.hook = HyloHook(
+            ddp.module.named_parameters(),
+            self.policy,
+            warmup_steps=self.warmup_steps,
+            two_bit_exchange=self.exchange,
+            cost_model=CostModel(bandwidth) if self.use_cost_model else None,
+            calibration_steps=self.calibration_steps,
+            process_group=ddp.process_group,
+            seed=self.seed,
+            overlap=self.overlap,
+        )
+        if self._pending_state is not None:
+            self._restore(self._pending_state, trainer.strategy.root_device)
+            self._pending_state = None
+        elif previous is not None:  # a second fit with the same callback continues the state
+            self.hook.load_state_dict(previous, trainer.strategy.root_device)
+        self.hook.register(ddp)
+
+    # -- telemetry ------------------------------------------------------------------------
+
+    def on_train_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        if self.hook is None or trainer.global_step % self.telemetry_every_n_steps:
+            return
+        process_ledger().gauges.update(self.hook.gauges(self.per_layer_telemetry))
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.hook is None:
+            return
+        process_ledger().gauges.update(self.hook.gauges(self.per_layer_telemetry))
+        # callback_metrics travel back from rank 0 to the main process under spawn/fork, so
+        # tests and the benchmark can see that the hook ran.
+        trainer.callback_metrics["hylo/hook_calls"] = torch.tensor(float(self.hook.calls))
+        trainer.callback_metrics["hylo/steps"] = torch.tensor(float(self.hook.step))
+
+    # -- checkpointing --------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Every rank's residuals and codec state (gathered: call on all ranks, as Lightning does).
+
+        Residuals differ per rank while only rank 0 writes the checkpoint, so the ranks' states
+        are gathered into ``{"world_size": W, "ranks": [state of rank 0, ..., rank W-1]}``.
+        """
+        if self.hook is None:
+            return dict(self._pending_state or {})
+        local = self.hook.state_dict()
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return {"world_size": 1, "ranks": [local]}
+        states: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(states, local)
+        return {"world_size": len(states), "ranks": states}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Keep the state until the hook exists (Lightning restores callbacks before DDP)."""
+        if not state_dict:
+            return
+        self._pending_state = state_dict
+        if self.hook is not None:
+            self._restore(state_dict, None)
+            self._pending_state = None
+
+    def _restore(self, state: dict[str, Any], device: torch.device | None) -> None:
+        assert self.hook is not None
+        ranks = state["ranks"]
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        if len(ranks) == world:
+            self.hook.load_state_dict(ranks[rank], device)
+            return
+        rank_zero_warn(
+            f"HyloCompression: the checkpoint holds residuals of {len(ranks)} ranks, this run has "
+            f"{world}: residuals restart from zero (the step count and cost-model decisions are "
+            "kept)"
+        )
+        fresh = {**ranks[0], "memory": {}, "server_memory": {}}
+        self.hook.load_state_dict(fresh, device)

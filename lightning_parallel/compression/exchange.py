@@ -1,0 +1,495 @@
+"""Allreduce-compatible exchanges: average compressed gradients with bytes per rank flat in W.
+
+Sparse top-k and 2-bit codes cannot be summed by a plain allreduce. :class:`HyloExchange`
+averages the gradients of one DDP bucket across the ``W`` ranks of a group, each layer by the
+route its :class:`~lightning_parallel.compression.policy.LayerPlan` names, in two rounds of
+asynchronous collectives (so every round costs one latency, whatever the number of layers):
+
+``dense`` (small layers, biases, norms)
+    fused into one buffer, divided by ``W`` and allreduced (round 2), as DDP does.
+
+``kernel`` (convolutions, :class:`~lightning_parallel.compression.KernelTopK`)
+    1. every rank computes its per-kernel norms of ``p = g + e`` and the norms are allreduced
+       (round 1, one bfloat16 per kernel);
+    2. every rank selects the same top kernels from the summed norms, and the selected kernels'
+       values ride in the dense allreduce (round 2); the rest stays in the residual ``e``.
+
+``two_bit`` (fully-connected, :class:`~lightning_parallel.compression.TwoBitQuantizer`),
+two-phase compressed allreduce (as DeepSpeed's 1-bit allreduce; here with Hylo's codes):
+    1. every rank quantizes ``p = g + e`` with its own scale ``s`` (residual ``e <- p - Q(p)``),
+       pads the codes to ``W`` chunks of ``c`` values (``c`` a multiple of 16) and sends chunk
+       ``j`` with its ``s`` to rank ``j`` (``all_to_all``: a reduce-scatter of packed codes,
+       round 1);
+    2. rank ``j`` decodes the ``W`` codes of its chunk, averages them
+       (``m = sum_i s_i * sign_i / W``), adds its second error-feedback residual
+       ``u = m + e2``, re-quantizes ``u`` (threshold ``factor * mean|u|``, ``e2 <- u - Q(u)``),
+       and allgathers its packed chunk with its scale (round 2); every rank decodes all chunks.
+    Each rank sends ``2 (W-1)/W * n/16`` words: the bytes of an allreduce of the codes, flat in
+    ``W``. With ``two_bit_exchange="allgather"`` the codes are allgathered instead (the simple
+    fallback: ``(W-1) * n/16`` words, growing with ``W``).
+
+``gather`` (peer codecs: top-k, QSGD, TernGrad, signSGD)
+    every rank's payload is allgathered in one byte buffer (round 1) and every rank decodes and
+    averages all of them: bytes per rank grow with ``W``, as in GRACE's allgather communicator.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_parallel.compression.codec import Encoded
+from lightning_parallel.compression.error_feedback import ErrorFeedback
+from lightning_parallel.compression.kernel_topk import KernelTopK
+from lightning_parallel.compression.packing import pack_2bit
+from lightning_parallel.compression.policy import DENSE, GATHER, KERNEL, TWO_BIT, LayerPlan
+from lightning_parallel.compression.two_bit import TwoBitQuantizer
+
+__all__: list[str] = []
+
+TWO_BIT_EXCHANGES = ("two_phase", "allgather")
+_ALIGN = 8  # bytes: every payload segment starts aligned so it can be viewed as any dtype
+
+
+@dataclass
+class LayerGradient:
+    """One parameter's gradient inside a bucket: read the local one, write back the average."""
+
+    plan: LayerPlan
+    gradient: Tensor  # 1-D view into the bucket buffer
+
+
+@dataclass
+class LayerReport:
+    """What one layer cost in one exchange (this rank)."""
+
+    bytes_sent: float = 0.0
+    dense_bytes: float = 0.0
+    encode_s: float = 0.0
+    decode_s: float = 0.0
+
+    @property
+    def compression_ratio(self) -> float:
+        """Dense bytes over the bytes actually sent (1 for uncompressed layers)."""
+        return self.dense_bytes / self.bytes_sent if self.bytes_sent > 0 else 1.0
+
+
+def ring_allreduce_bytes(nbytes: float, world_size: int) -> float:
+    """Bytes one rank sends in a ring allreduce of ``nbytes`` (reduce-scatter + allgather)."""
+    return 2.0 * (world_size - 1) / world_size * nbytes
+
+
+def two_phase_chunk(numel: int, world_size: int) -> int:
+    """Values per rank's chunk in the two-phase exchange: a multiple of 16 covering ``numel``."""
+    per_rank = math.ceil(numel / world_size)
+    return max(16, 16 * math.ceil(per_rank / 16))
+
+
+class _Clock:
+    """Accumulate seconds per (layer, phase)."""
+
+    def __init__(self, reports: dict[str, LayerReport]) -> None:
+        self.reports = reports
+        self._start = 0.0
+
+    def start(self) -> None:
+        self._start = time.perf_counter()
+
+    def lap(self, name: str, phase: str) -> None:
+        now = time.perf_counter()
+        report = self.reports[name]
+        if phase == "encode":
+            report.encode_s += now - self._start
+        else:
+            report.decode_s += now - self._start
+        self._start = now
+
+
+_Layout = list[tuple[int, torch.dtype, tuple[int, ...]]]
+
+
+def _to_bytes(tensors: list[Tensor]) -> tuple[Tensor, _Layout]:
+    """One ``uint8`` buffer of ``tensors`` (each segment 8-byte aligned) and its layout."""
+    segments: list[Tensor] = []
+    layout: _Layout = []
+    offset = 0
+    for tensor in tensors:
+        raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+        padding = -raw.numel() % _ALIGN
+        segments.append(raw)
+        if padding:
+            segments.append(torch.zeros(padding, dtype=torch.uint8, device=raw.device))
+        layout.append((offset, tensor.dtype, tuple(tensor.shape)))
+        offset += raw.numel() + padding
+    return torch.cat(segments), layout
+
+
+def _from_bytes(buffer: Tensor, layout: _Layout) -> list[Tensor]:
+    """Inverse of :func:`_to_bytes` for one rank's buffer."""
+    tensors = []
+    for offset, dtype, shape in layout:
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        tensors.append(buffer[offset : offset + nbytes].view(dtype).reshape(shape))
+    return tensors
+
+
+class HyloExchange:
+    """Average one bucket's gradients across a process group, each layer by its route.
+
+    Residuals are kept flat (one 1-D tensor per parameter, like the bucket's slices) and
+    updated in place; large per-layer workspaces are allocated once and reused, because a fresh
+    multi-megabyte tensor per step costs more in page faults than the arithmetic on it.
+
+    Args:
+        memory: the workers' error-feedback residuals (keyed by parameter name).
+        server_memory: the second residuals of the two-phase 2-bit exchange (keyed by parameter
+            name and chunk).
+        two_bit_exchange: ``"two_phase"`` (bytes flat in ``W``) or ``"allgather"``.
+        importance_dtype: dtype of the allreduced per-kernel norms (only their ranking matters).
+        group: the process group (``None``: the default group).
+    """
+
+    def __init__(
+        self,
+        memory: ErrorFeedback,
+        server_memory: ErrorFeedback,
+        two_bit_exchange: str = "two_phase",
+        importance_dtype: torch.dtype = torch.bfloat16,
+        group: Any = None,
+    ) -> None:
+        if two_bit_exchange not in TWO_BIT_EXCHANGES:
+            raise ValueError(
+                f"two_bit_exchange must be one of {TWO_BIT_EXCHANGES}, got {two_bit_exchange!r}"
+            )
+        self.memory = memory
+        self.server_memory = server_memory
+        self.two_bit_exchange = two_bit_exchange
+        self.importance_dtype = importance_dtype
+        self.group = group
+        self.last_wait_seconds = 0.0
+        self._workspaces: dict[str, Tensor] = {}
+
+    def _workspace(self, key: str, like: Tensor) -> Tensor:
+        return self._buffer(key, tuple(like.shape), like.dtype, like.device)
+
+    def _buffer(
+        self, key: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    ) -> Tensor:
+        """A tensor kept across steps under ``key`` (zeros when first made)."""
+        buffer = self._workspaces.get(key)
+        if (
+            buffer is None
+            or tuple(buffer.shape) != shape
+            or buffer.dtype != dtype
+            or buffer.device != device
+        ):
+            buffer = torch.zeros(shape, dtype=dtype, device=device)
+            self._workspaces[key] = buffer
+        return buffer
+
+    def average(self, layers: list[LayerGradient]) -> dict[str, LayerReport]:
+        """Replace every ``layer.gradient`` with the average over ranks; report costs per layer.
+
+        Every rank must call this with the same layers in the same order (DDP calls bucket hooks
+        in bucket order on every rank), since the collectives are matched by order.
+        """
+        world = dist.get_world_size(self.group)
+        rank = dist.get_rank(self.group)
+        reports = {layer.plan.name: LayerReport() for layer in layers}
+        for layer in layers:
+            reports[layer.plan.name].dense_bytes = ring_allreduce_bytes(
+                layer.gradient.numel() * layer.gradient.element_size(), world
+            )
+        clock = _Clock(reports)
+        routes: dict[str, list[LayerGradient]] = {DENSE: [], KERNEL: [], TWO_BIT: [], GATHER: []}
+        for layer in layers:
+            route = layer.plan.route
+            if route == TWO_BIT and self.two_bit_exchange == "allgather":
+                route = GATHER
+            routes[route].append(layer)
+
+        # Round 1: kernel norms (allreduce), 2-bit chunks (all_to_all), payloads (allgather).
+        works: list[Any] = []
+        kernel_round = self._kernel_norms(routes[KERNEL], clock, works, world)
+        two_bit_round = self._scatter_codes(routes[TWO_BIT], clock, works, world)
+        gather_round = self._gather_payloads(routes[GATHER], clock, works, world)
+        started = time.perf_counter()
+        for work in works:
+            work.wait()
+        waited = time.perf_counter() - started
+
+        # Round 2: dense + selected kernels (allreduce), re-quantized chunks (allgather).
+        works = []
+        dense_round = self._dense_values(routes[DENSE], kernel_round, clock, works, world)
+        chunk_round = self._reduce_chunks(two_bit_round, clock, works, world, rank)
+        self._decode_payloads(gather_round, clock, world)
+        started = time.perf_counter()
+        for work in works:
+            work.wait()
+        self.last_wait_seconds = waited + time.perf_counter() - started
+
+        self._write_dense(dense_round, clock)
+        self._decode_chunks(chunk_round, clock, world)
+        return reports
+
+    # -- kernel route -----------------------------------------------------------------------
+
+    def _kernel_norms(
+        self, layers: list[LayerGradient], clock: _Clock, works: list[Any], world: int
+    ) -> dict[str, Any] | None:
+        if not layers:
+            return None
+        compensated, norms = [], []
+        for layer in layers:
+            clock.start()
+            codec = layer.plan.codec
+            assert isinstance(codec, KernelTopK)
+            p = self.memory.compensate_(layer.plan.name, layer.gradient)
+            compensated.append(p)
+            norms.append(codec.importance(p.view(layer.plan.shape)))
+            clock.lap(layer.plan.name, "encode")
+        summed = torch.cat(norms).to(self.importance_dtype)
+        works.append(dist.all_reduce(summed, async_op=True, group=self.group))
+        for layer, norm in zip(layers, norms):
+            clock.reports[layer.plan.name].bytes_sent += ring_allreduce_bytes(
+                norm.numel() * summed.element_size(), world
+            )
+        return {"layers": layers, "compensated": compensated, "norms": summed, "sizes": norms}
+
+    # -- dense route (with the selected kernels) --------------------------------------------
+
+    def flush(self, layer: LayerGradient, world: int, rank: int) -> None:
+        """Send what a layer kept while it was compressed, now that it travels dense.
+
+        The worker residual joins this rank's gradient; the second residual of the two-phase
+        exchange (in units of the mean, held by the chunk's owner only) joins it times ``W``, so
+        that the average gains exactly the residual.
+        """
+        name = layer.plan.name
+        residual = self.memory.pop(name)
+        if residual is not None:
+            layer.gradient.add_(residual)
+        for key in [key for key in self.server_memory if key.startswith(f"{name}@chunk")]:
+            server = self.server_memory.pop(key)
+            if server is None or key != f"{name}@chunk{rank}of{world}":
+                continue  # a chunk of another world size: its share is lost with that layout
+            start = rank * server.numel()
+            stop = min(layer.gradient.numel(), start + server.numel())
+            if stop > start:
+                layer.gradient[start:stop].add_(server[: stop - start], alpha=world)
+
+    def _dense_values(
+        self,
+        dense: list[LayerGradient],
+        kernel_round: dict[str, Any] | None,
+        clock: _Clock,
+        works: list[Any],
+        world: int,
+    ) -> dict[str, Any] | None:
+        rank = dist.get_rank(self.group)
+        for layer in dense:
+            self.flush(layer, world, rank)
+        pieces: list[Tensor] = [layer.gradient for layer in dense]
+        selections = []
+        if kernel_round is not None:
+            global_norms = (
+                kernel_round["norms"].float().split([n.numel() for n in kernel_round["sizes"]])
+            )
+            for layer, p, importance in zip(
+                kernel_round["layers"], kernel_round["compensated"], global_norms
+            ):
+                clock.start()
+                codec = layer.plan.codec
+                assert isinstance(codec, KernelTopK)
+                indices = codec.select(importance, layer.plan.shape)
+                kernels = p.view(codec.kernel_layout(layer.plan.shape))
+                values = kernels.index_select(0, indices)
+                kernels.index_fill_(0, indices, 0.0)  # the residual: what was not sent
+                pieces.append(values.reshape(-1))
+                selections.append((layer, indices, values.shape))
+                clock.reports[layer.plan.name].bytes_sent += ring_allreduce_bytes(
+                    values.numel() * values.element_size(), world
+                )
+                clock.lap(layer.plan.name, "encode")
+        if not pieces:
+            return None
+        # Divide before summing, as torch's allreduce hook does, so that no compression equals
+        # DDP bit for bit.
+        fused = torch.cat(pieces).div_(world)
+        works.append(dist.all_reduce(fused, async_op=True, group=self.group))
+        for layer in dense:
+            clock.reports[layer.plan.name].bytes_sent += ring_allreduce_bytes(
+                layer.gradient.numel() * fused.element_size(), world
+            )
+        return {"dense": dense, "selections": selections, "fused": fused}
+
+    def _write_dense(self, dense_round: dict[str, Any] | None, clock: _Clock) -> None:
+        if dense_round is None:
+            return
+        fused: Tensor = dense_round["fused"]
+        offset = 0
+        for layer in dense_round["dense"]:
+            numel = layer.gradient.numel()
+            layer.gradient.copy_(fused[offset : offset + numel])
+            offset += numel
+        for layer, indices, shape in dense_round["selections"]:
+            clock.start()
+            count = shape[0] * shape[1]
+            averaged = fused[offset : offset + count].view(shape)
+            offset += count
+            layer.gradient.zero_()
+            layer.gradient.view(-1, shape[1]).index_copy_(0, indices, averaged)
+            clock.lap(layer.plan.name, "decode")
+
+    # -- two-bit route, two-phase -----------------------------------------------------------
+
+    def _scatter_codes(
+        self, layers: list[LayerGradient], clock: _Clock, works: list[Any], world: int
+    ) -> dict[str, Any] | None:
+        if not layers:
+            return None
+        rows: list[Tensor] = []
+        chunks: list[int] = []
+        for layer in layers:
+            clock.start()
+            codec = layer.plan.codec
+            assert isinstance(codec, TwoBitQuantizer)
+            name = layer.plan.name
+            p = self.memory.compensate_(name, layer.gradient)
+            chunk = two_phase_chunk(p.numel(), world)
+            # The codes live in a zeroed buffer of W chunks: the padding stays code 0.
+            codes = self._buffer(f"{name}/codes", (world * chunk,), torch.int8, p.device)
+            _, scale = codec.quantize_(p, self._workspace(name, p), codes_out=codes)  # p: residual
+            words = pack_2bit(codes.view(torch.uint8).view(world, chunk))  # (W, chunk / 16)
+            scale_bits = scale.reshape(1, 1).expand(world, 1).contiguous().view(torch.int32)
+            rows.append(torch.cat([scale_bits, words], dim=1))
+            chunks.append(chunk)
+            clock.lap(name, "encode")
+        send = torch.cat(rows, dim=1).contiguous()
+        received = torch.empty_like(send)
+        works.append(dist.all_to_all_single(received, send, async_op=True, group=self.group))
+        for layer, row in zip(layers, rows):
+            clock.reports[layer.plan.name].bytes_sent += (world - 1) * row.shape[1] * 4
+        return {"layers": layers, "chunks": chunks, "received": received}
+
+    def _reduce_chunks(
+        self,
+        two_bit_round: dict[str, Any] | None,
+        clock: _Clock,
+        works: list[Any],
+        world: int,
+        rank: int,
+    ) -> dict[str, Any] | None:
+        if two_bit_round is None:
+            return None
+        received: Tensor = two_bit_round["received"]  # (W, sum of 1 + words): row i from rank i
+        pieces: list[Tensor] = []
+        offset = 0
+        for layer, chunk in zip(two_bit_round["layers"], two_bit_round["chunks"]):
+            clock.start()
+            codec = layer.plan.codec
+            assert isinstance(codec, TwoBitQuantizer)
+            words = chunk // 16
+            scales = received[:, offset].contiguous().view(torch.float32).tolist()  # W floats
+            # (W, chunk) int8: row i holds rank i's codes of the chunk this rank owns
+            key = f"{layer.plan.name}@chunk{rank}of{world}"
+            buffer = self._buffer(f"{key}/signs", (world, 16 * words), torch.int8, received.device)
+            block = received[:, offset + 1 : offset + 1 + words]
+            signs = codec.signs_from_words(block, chunk, out=buffer)
+            offset += 1 + words
+            mean = self._workspace(key, signs[0].to(torch.float32))
+            mean.copy_(signs[0]).mul_(scales[0])
+            if world > 1:
+                term = self._workspace(f"{key}/term", mean)
+                for source in range(1, world):  # a loop over ranks; each step whole-tensor
+                    mean.add_(term.copy_(signs[source]), alpha=scales[source])
+            mean.div_(world)
+            s = self.server_memory.compensate_(key, mean)  # second error feedback
+            valid = max(0, min(chunk, layer.gradient.numel() - rank * chunk))
+            server_codes, scale = codec.quantize_(
+                s, mean, tau=codec.threshold(s[:valid]), codes_out=buffer.view(-1)
+            )
+            scale_bits = scale.reshape(1).view(torch.int32)
+            pieces.append(torch.cat([scale_bits, pack_2bit(server_codes)]))
+            clock.reports[layer.plan.name].bytes_sent += (world - 1) * (1 + words) * 4
+            clock.lap(layer.plan.name, "decode")
+        send = torch.cat(pieces)
+        gathered = [torch.empty_like(send) for _ in range(world)]
+        works.append(dist.all_gather(gathered, send, async_op=True, group=self.group))
+        return {**two_bit_round, "gathered": gathered}
+
+    def _decode_chunks(self, chunk_round: dict[str, Any] | None, clock: _Clock, world: int) -> None:
+        if chunk_round is None:
+            return
+        gathered = torch.stack(chunk_round["gathered"])  # (W, sum of 1 + words)
+        offset = 0
+        for layer, chunk in zip(chunk_round["layers"], chunk_round["chunks"]):
+            clock.start()
+            codec = layer.plan.codec
+            assert isinstance(codec, TwoBitQuantizer)
+            words = chunk // 16
+            scales = gathered[:, offset].contiguous().view(torch.float32).tolist()
+            # (W, chunk) int8: row j holds chunk j as re-quantized by its owner, rank j
+            name = layer.plan.name
+            shape = (world, 16 * words)
+            buffer = self._buffer(f"{name}/decoded", shape, torch.int8, gathered.device)
+            block = gathered[:, offset + 1 : offset + 1 + words]
+            signs = codec.signs_from_words(block, chunk, out=buffer)
+            offset += 1 + words
+            numel = layer.gradient.numel()
+            for owner in range(world):  # a loop over ranks; each step whole-tensor
+                start, stop = owner * chunk, min(numel, (owner + 1) * chunk)
+                if stop > start:
+                    target = layer.gradient[start:stop]
+                    target.copy_(signs[owner, : stop - start]).mul_(scales[owner])
+            clock.lap(layer.plan.name, "decode")
+
+    # -- gather route (peer codecs, 2-bit allgather) ----------------------------------------
+
+    def _gather_payloads(
+        self, layers: list[LayerGradient], clock: _Clock, works: list[Any], world: int
+    ) -> dict[str, Any] | None:
+        if not layers:
+            return None
+        payloads: list[Tensor] = []
+        encodings: list[Encoded] = []
+        for layer in layers:
+            clock.start()
+            codec = layer.plan.codec
+            p = self.memory.compensate_(layer.plan.name, layer.gradient)
+            encoded = codec.encode(p.view(layer.plan.shape))
+            p.sub_(codec.decode(encoded).reshape(-1))  # the residual: what was not sent
+            payloads.extend(encoded.payload)
+            encodings.append(encoded)
+            clock.reports[layer.plan.name].bytes_sent += (world - 1) * encoded.nbytes()
+            clock.lap(layer.plan.name, "encode")
+        send, layout = _to_bytes(payloads)
+        gathered = [torch.empty_like(send) for _ in range(world)]
+        works.append(dist.all_gather(gathered, send, async_op=True, group=self.group))
+        return {"layers": layers, "encodings": encodings, "layout": layout, "gathered": gathered}
+
+    def _decode_payloads(
+        self, gather_round: dict[str, Any] | None, clock: _Clock, world: int
+    ) -> None:
+        if gather_round is None:
+            return
+        layout = gather_round["layout"]
+        per_rank = [_from_bytes(buffer, layout) for buffer in gather_round["gathered"]]
+        start = 0
+        for layer, encoded in zip(gather_round["layers"], gather_round["encodings"]):
+            clock.start()
+            count = len(encoded.payload)
+            layer.gradient.zero_()
+            for tensors in per_rank:  # a loop over ranks; each decode is whole-tensor
+                payload = tensors[start : start + count]
+                decoded = layer.plan.codec.decode(Encoded(payload, encoded.context))
+                layer.gradient.add_(decoded.reshape(-1))
+            start += count
+            layer.gradient.div_(world)
+            clock.lap(layer.plan.name, "decode")

@@ -1,0 +1,369 @@
+"""A DDP communication hook that compresses each layer's gradient by its type (Hylo).
+
+DDP calls the hook once per gradient bucket, in bucket order on every rank, during the
+backward pass. The hook:
+
+1. hands the bucket to a background thread (on CPU), so that the exchange overlaps with the
+   rest of the backward pass, while buckets still run one at a time in bucket order;
+2. maps the bucket's flat buffer to parameters (``bucket.parameters()``, consecutive slices of
+   ``numel`` values) and from parameters to names: error-feedback state is keyed by name, so it
+   survives DDP's bucket rebuild after the first iteration;
+3. during the first ``warmup_steps`` optimizer steps averages the buffer with a plain allreduce
+   (exactly DDP);
+4. afterwards averages the bucket with :class:`~lightning_parallel.compression.HyloExchange`
+   (dense, kernel-selection, two-phase 2-bit or allgather routes), and settles the future it
+   returned with the averaged buffer, which DDP copies into ``param.grad`` once the backward
+   pass is over;
+5. on the first ``calibration_steps`` compressed steps times each layer's encode and decode
+   and the link (bytes sent over seconds waited in collectives), from which the
+   :class:`~lightning_parallel.compression.CostModel` decides, identically on every rank,
+   which layers go back to the dense allreduce (their residuals are flushed into it).
+
+Without the background thread (CUDA, or ``overlap=False``) the exchange runs inside the hook
+call, and a bucket whose layers are all uncompressed takes torch's asynchronous allreduce,
+exactly as in DDP.
+"""
+
+import math
+import os
+import queue
+import threading
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from lightning_parallel.compression.cost_model import CostModel
+from lightning_parallel.compression.error_feedback import ErrorFeedback
+from lightning_parallel.compression.exchange import (
+    HyloExchange,
+    LayerGradient,
+    LayerReport,
+    ring_allreduce_bytes,
+)
+from lightning_parallel.compression.policy import DENSE, HyloPolicy, LayerPlan
+
+__all__: list[str] = []
+
+
+class HyloHook:
+    """State and entry point of the Hylo DDP communication hook.
+
+    Args:
+        named_parameters: the wrapped module's parameters with their names
+            (``ddp.module.named_parameters()``); names key the residuals in checkpoints.
+        policy: which codec compresses which parameter (default :class:`HyloPolicy`).
+        warmup_steps: optimizer steps averaged uncompressed first (plain allreduce).
+        two_bit_exchange: ``"two_phase"`` (bytes flat in the world size) or ``"allgather"``.
+        cost_model: per-layer fallback to uncompressed when the codec costs more than it saves;
+            ``None`` compresses every layer the policy names.
+        calibration_steps: first compressed steps on which bandwidth and codec time are
+            measured (the cost model decides at the end of the last one).
+        process_group: the DDP process group (``None``: the default group).
+        seed: seed of the stochastic codecs' noise (rank ``r`` uses ``seed + r``).
+        overlap: run the exchange on a background thread so that it overlaps with the rest of
+            the backward pass (buckets still run one at a time, in order, so the collectives
+            match across ranks). ``None``: on for CPU tensors, off for CUDA ones (NCCL
+            already runs on its own stream).
+
+    Example::
+
+        ddp = DistributedDataParallel(model)
+        hook = HyloHook(ddp.module.named_parameters(), HyloPolicy(conv_rate=0.05))
+        hook.register(ddp)
+    """
+
+    def __init__(
+        self,
+        named_parameters: Iterable[tuple[str, nn.Parameter]],
+        policy: HyloPolicy | None = None,
+        warmup_steps: int = 0,
+        two_bit_exchange: str = "two_phase",
+        cost_model: CostModel | None = None,
+        calibration_steps: int = 2,
+        process_group: Any = None,
+        seed: int = 0,
+        overlap: bool | None = None,
+    ) -> None:
+        if warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
+        if cost_model is not None and calibration_steps < 1:
+            raise ValueError(
+                "the cost model measures on the first calibration_steps compressed steps: "
+                f"calibration_steps must be >= 1, got {calibration_steps}; raise it or pass "
+                "cost_model=None"
+            )
+        named = list(named_parameters)
+        self.policy = policy if policy is not None else HyloPolicy()
+        self.names = {id(param): name for name, param in named}
+        self.policy_plans: dict[str, LayerPlan] = self.policy.plan(named)
+        self.plans: dict[str, LayerPlan] = dict(self.policy_plans)
+        self.warmup_steps = warmup_steps
+        self.calibration_steps = calibration_steps
+        self.cost_model = cost_model
+        self.process_group = process_group
+        self.memory = ErrorFeedback()
+        self.server_memory = ErrorFeedback()
+        self.exchange = HyloExchange(
+            self.memory, self.server_memory, two_bit_exchange, group=process_group
+        )
+        self.step = 0
+        self.calls = 0
+        self.reports: dict[str, LayerReport] = {}
+        self.overlap = overlap
+        self._seed = seed
+        self._seeded = False
+        self._thread: _BackgroundThread | None = None
+
+    # -- registration ---------------------------------------------------------------------
+
+    def register(self, ddp: nn.parallel.DistributedDataParallel) -> None:
+        """Register this hook on ``ddp`` (before its first backward)."""
+        if getattr(ddp, "_comm_hooks", None):
+            raise RuntimeError(
+                "this DistributedDataParallel module already has a communication hook (DDP "
+                "allows one): remove the other hook (for example the strategy's "
+                "ddp_comm_hook) or do not add Hylo"
+            )
+        ddp.register_comm_hook(self, HyloHook.communicate)
+
+    # No ``from __future__ import annotations`` in this module: DDP checks these two annotations
+    # by identity (``dist.GradBucket``, ``Future[Tensor]``) and rejects strings.
+    @staticmethod
+    def communicate(state: "HyloHook", bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
+        """The function DDP calls per bucket (``state`` is the :class:`HyloHook`)."""
+        return state.run(bucket)
+
+    # -- the hook -------------------------------------------------------------------------
+
+    @property
+    def compressing(self) -> bool:
+        """Whether the warm-up is over (gradients are now compressed)."""
+        return self.step >= self.warmup_steps
+
+    def run(self, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
+        """Average one bucket; return a future that will hold the averaged buffer."""
+        self._seed_codecs()
+        self.calls += 1
+        buffer = bucket.buffer()
+        params = list(bucket.parameters())
+        is_last = bucket.is_last()
+        overlap = self.overlap if self.overlap is not None else buffer.device.type == "cpu"
+        if not overlap:
+            return self._average(buffer, params, is_last, blocking=False)
+        future: torch.futures.Future[Tensor] = torch.futures.Future()
+        self._background().submit(lambda: self._complete(future, buffer, params, is_last))
+        return future
+
+    def _complete(
+        self,
+        future: torch.futures.Future[Tensor],
+        buffer: Tensor,
+        params: list[Tensor],
+        is_last: bool,
+    ) -> None:
+        """Run one bucket on the background thread and settle ``future`` (errors included)."""
+        try:
+            self._average(buffer, params, is_last, blocking=True).wait()
+            future.set_result(buffer)
+        except BaseException as error:  # DDP re-raises it in the training loop
+            future.set_exception(error)  # type: ignore[arg-type]
+
+    def _background(self) -> "_BackgroundThread":
+        # A thread does not survive fork: a process gets its own.
+        if self._thread is None or self._thread.pid != os.getpid():
+            self._thread = _BackgroundThread()
+        return self._thread
+
+    def _average(
+        self, buffer: Tensor, params: list[Tensor], is_last: bool, blocking: bool
+    ) -> torch.futures.Future[Tensor]:
+        layers = self._layers(params, buffer)
+        world = dist.get_world_size(self.process_group)
+        compressed = any(layer.plan.compressed for layer in layers)
+        if self.compressing and compressed:
+            reports = self.exchange.average(layers)
+            self.reports.update(reports)
+            if self._calibrating():
+                self._observe(reports)
+            future: torch.futures.Future[Tensor] = torch.futures.Future()
+            future.set_result(buffer)
+        else:
+            future = self._allreduce(buffer, layers, world, blocking)
+        if is_last:
+            self.step += 1
+            calibrated = self.warmup_steps + self.calibration_steps
+            if self.cost_model is not None and self.step == calibrated:
+                self._decide()
+        return future
+
+    def _layers(self, params: list[Tensor], buffer: Tensor) -> list[LayerGradient]:
+        layers = []
+        offset = 0
+        for param in params:
+            numel = param.numel()
+            name = self.names.get(id(param))
+            if name is None:
+                raise RuntimeError(
+                    "a DDP bucket holds a parameter the Hylo hook was not built with: build "
+                    "HyloHook from ddp.module.named_parameters() of the same module"
+                )
+            layers.append(LayerGradient(self.plans[name], buffer[offset : offset + numel]))
+            offset += numel
+        if offset != buffer.numel():
+            raise RuntimeError(
+                f"DDP bucket layout not understood: parameters hold {offset} values, the buffer "
+                f"{buffer.numel()}"
+            )
+        return layers
+
+    def _allreduce(
+        self, buffer: Tensor, layers: list[LayerGradient], world: int, blocking: bool
+    ) -> torch.futures.Future[Tensor]:
+        """Plain DDP averaging: divide, then allreduce (torch's allreduce hook)."""
+        rank = dist.get_rank(self.process_group)
+        for layer in layers:  # residuals of layers the cost model turned back to dense
+            self.exchange.flush(layer, world, rank)
+        self._report_dense(layers, world)
+        buffer.div_(world)
+        if blocking:
+            dist.all_reduce(buffer, group=self.process_group)
+            done: torch.futures.Future[Tensor] = torch.futures.Future()
+            done.set_result(buffer)
+            return done
+        work = dist.all_reduce(buffer, group=self.process_group, async_op=True)
+        return work.get_future().then(lambda future: future.value()[0])
+
+    def _report_dense(self, layers: list[LayerGradient], world: int) -> None:
+        for layer in layers:
+            nbytes = layer.gradient.numel() * layer.gradient.element_size()
+            dense = ring_allreduce_bytes(nbytes, world)
+            self.reports[layer.plan.name] = LayerReport(bytes_sent=dense, dense_bytes=dense)
+
+    # -- warm-up calibration and the cost model -------------------------------------------
+
+    def _calibrating(self) -> bool:
+        return (
+            self.cost_model is not None
+            and self.warmup_steps <= self.step < self.warmup_steps + self.calibration_steps
+        )
+
+    def _observe(self, reports: dict[str, LayerReport]) -> None:
+        """Feed one compressed exchange's timings to the cost model."""
+        assert self.cost_model is not None
+        sent = 0.0
+        for name, report in reports.items():
+            sent += report.bytes_sent
+            if self.plans[name].compressed:
+                seconds = report.encode_s + report.decode_s
+                self.cost_model.observe_codec(name, seconds, report.dense_bytes, report.bytes_sent)
+        self.cost_model.observe_transfer(sent, self.exchange.last_wait_seconds)
+
+    def _decide(self) -> None:
+        """Agree on the measurements (max over ranks) and keep unprofitable layers dense."""
+        assert self.cost_model is not None
+        names = sorted(name for name, plan in self.policy_plans.items() if plan.compressed)
+        agreed = self.cost_model.measurements(names)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.process_group)
+        self._apply(self.cost_model.decide(names, agreed))
+
+    def _apply(self, decisions: dict[str, Any]) -> None:
+        self.plans = dict(self.policy_plans)
+        for name, decision in decisions.items():
+            if not decision.compress and name in self.plans:
+                plan = self.plans[name]
+                self.plans[name] = LayerPlan(name, plan.shape, DENSE, self.policy.dense_codec)
+
+    # -- stochastic codecs ----------------------------------------------------------------
+
+    def _seed_codecs(self) -> None:
+        if self._seeded:
+            return
+        self._seeded = True
+        rank = dist.get_rank(self.process_group) if dist.is_initialized() else 0
+        for codec in self.policy.codecs().values():
+            random = getattr(codec, "random", None)
+            if random is not None and not random.state_dict()["generators"]:
+                random.reseed(self._seed + rank)
+
+    # -- telemetry ------------------------------------------------------------------------
+
+    def gauges(self, per_layer: bool = True) -> dict[str, float]:
+        """Latest per-layer and total costs, as ledger gauges (``CommStats`` logs them)."""
+        gauges: dict[str, float] = {}
+        total_sent = sum(report.bytes_sent for report in self.reports.values())
+        total_dense = sum(report.dense_bytes for report in self.reports.values())
+        residual_squares = 0.0
+        for name, report in sorted(self.reports.items()):
+            residual = math.hypot(self.memory.norm(name), self._server_norm(name))
+            residual_squares += residual**2
+            if per_layer:
+                gauges[f"hylo/{name}/bytes"] = report.bytes_sent
+                gauges[f"hylo/{name}/compression_ratio"] = report.compression_ratio
+                gauges[f"hylo/{name}/encode_ms"] = report.encode_s * 1e3
+                gauges[f"hylo/{name}/decode_ms"] = report.decode_s * 1e3
+                gauges[f"hylo/{name}/residual_norm"] = residual
+        gauges["compression_ratio"] = total_dense / total_sent if total_sent > 0 else 1.0
+        gauges["hylo/bytes"] = total_sent
+        gauges["hylo/encode_ms"] = sum(r.encode_s for r in self.reports.values()) * 1e3
+        gauges["hylo/decode_ms"] = sum(r.decode_s for r in self.reports.values()) * 1e3
+        gauges["hylo/residual_norm"] = math.sqrt(residual_squares)
+        gauges["hylo/hook_calls"] = float(self.calls)
+        gauges["hylo/compressed_layers"] = float(sum(p.compressed for p in self.plans.values()))
+        return gauges
+
+    def _server_norm(self, name: str) -> float:
+        prefix = f"{name}@chunk"
+        keys = [key for key in self.server_memory if key.startswith(prefix)]
+        return math.sqrt(sum(self.server_memory.norm(key) ** 2 for key in keys))
+
+    # -- checkpointing --------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's state: step, residuals, codec generators, cost-model decisions."""
+        return {
+            "step": self.step,
+            "calls": self.calls,
+            "memory": self.memory.state_dict(),
+            "server_memory": self.server_memory.state_dict(),
+            "codecs": {name: codec.state_dict() for name, codec in self.policy.codecs().items()},
+            "cost_model": self.cost_model.state_dict() if self.cost_model is not None else None,
+        }
+
+    def load_state_dict(self, state: dict[str, Any], device: torch.device | None = None) -> None:
+        """Restore what :meth:`state_dict` returned (residuals moved to ``device``)."""
+        self.step = int(state["step"])
+        self.calls = int(state["calls"])
+        self.memory.load_state_dict(state["memory"], device)
+        self.server_memory.load_state_dict(state["server_memory"], device)
+        codecs = self.policy.codecs()
+        for name, codec_state in state["codecs"].items():
+            if name in codecs:
+                codecs[name].load_state_dict(codec_state)
+        if self.cost_model is not None and state.get("cost_model") is not None:
+            self.cost_model.load_state_dict(state["cost_model"])
+            self._apply(self.cost_model.decisions)
+
+
+class _BackgroundThread:
+    """One daemon thread per process that runs bucket exchanges in submission order.
+
+    All of a hook's collectives are issued from this one thread, one bucket after the other, in
+    DDP's bucket order: gloo matches collectives by issue order, so every rank stays in step.
+    """
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self._jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name="hylo-exchange", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Callable[[], None]) -> None:
+        """Run ``job`` after every job submitted before it."""
+        self._jobs.put(job)
+
+    def _loop(self) -> None:
+        while True:
+            self._jobs.get()()

@@ -1,0 +1,137 @@
+"""``hylo``: Lightning's DDPStrategy with Hylo layer-wise gradient compression switched on.
+
+The strategy is plain :class:`~pytorch_lightning.strategies.DDPStrategy` plus a
+:class:`~lightning_parallel.callbacks.hylo.HyloCompression` callback that it adds to the
+trainer (unless one is already there), so that ``Trainer(strategy="hylo")`` and
+``Trainer(strategy="ddp", callbacks=[HyloCompression()])`` are the same run. The peer codecs are
+registered the same way for benchmarks: ``topk_ddp``, ``qsgd_ddp``, ``terngrad_ddp``,
+``signsgd_ddp``.
+
+Example::
+
+    trainer = Trainer(accelerator="cpu", devices=2, strategy=HyloStrategy(conv_rate=0.05))
+    # or, from the command line / bench: -s hylo:fc_bits=2,conv_rate=0.05
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pytorch_lightning.strategies import DDPStrategy
+from typing_extensions import override
+
+from lightning_parallel.callbacks.hylo import HyloCompression
+from lightning_parallel.strategies.registry import register_strategy
+
+__all__: list[str] = []
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def _as_bool(value: bool | str) -> bool:
+    if isinstance(value, str):
+        if value.lower() not in _TRUE + _FALSE:
+            raise ValueError(f"expected a boolean (true/false), got {value!r}")
+        return value.lower() in _TRUE
+    return bool(value)
+
+
+class HyloStrategy(DDPStrategy):
+    """DDP whose gradients are compressed layer by layer by Hylo (see ``HyloCompression``).
+
+    Supported: CPU (gloo) and CUDA (NCCL), any launcher (``start_method`` as DDPStrategy),
+    gradient accumulation, checkpoint resume (residuals are saved by the callback). Every
+    option of :class:`~lightning_parallel.callbacks.hylo.HyloCompression` is a keyword
+    argument; numbers may be given as strings (``"0.05"``), as a command line passes them.
+
+    Args:
+        codec: ``"hylo"`` or a peer codec (``"topk"``, ``"qsgd"``, ``"terngrad"``,
+            ``"signsgd"``), or ``"none"``.
+        conv_rate: fraction of kernels sent by a convolution of 65536 parameters.
+        fc_bits: 2 or 32 (fully-connected weights quantized or not).
+        threshold_factor: 2-bit threshold in units of the mean absolute gradient.
+        min_compress_numel: parameters with fewer values are sent uncompressed.
+        warmup_steps: optimizer steps averaged uncompressed first.
+        exchange: ``"two_phase"`` or ``"allgather"``.
+        cost_model: per-layer fallback to uncompressed when compression does not pay.
+        bandwidth: link bandwidth in bits per second for the cost model (``None``: measured).
+        overlap: exchange on a background thread, overlapping the backward pass (``None``:
+            on CPU yes, on CUDA no).
+        reconstruction: ``"mean"`` or ``"threshold"``: what 2-bit codes decode to.
+        start_method: ``"popen"``, ``"spawn"``, ``"fork"`` or ``"forkserver"`` (DDPStrategy's).
+        **kwargs: passed to :class:`~pytorch_lightning.strategies.DDPStrategy`.
+    """
+
+    #: Gradients travel through Python collectives (counted), not DDP's C++ reducer.
+    reports_communication = True
+
+    def __init__(
+        self,
+        codec: str = "hylo",
+        conv_rate: float | str = 0.05,
+        fc_bits: int | str = 2,
+        threshold_factor: float | str = 0.7,
+        min_compress_numel: int | str = 8192,
+        warmup_steps: int | str = 0,
+        exchange: str = "two_phase",
+        cost_model: bool | str = True,
+        bandwidth: float | str | None = None,
+        overlap: bool | str | None = None,
+        reconstruction: str = "mean",
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        **kwargs: Any,
+    ) -> None:
+        if "ddp_comm_hook" in kwargs:
+            raise ValueError(
+                "HyloStrategy registers its own communication hook: drop ddp_comm_hook, or use "
+                "DDPStrategy with that hook instead"
+            )
+        super().__init__(start_method=start_method, **kwargs)
+        self.hylo = HyloCompression(
+            codec=codec,
+            conv_rate=float(conv_rate),
+            fc_bits=int(fc_bits),
+            threshold_factor=float(threshold_factor),
+            min_compress_numel=int(min_compress_numel),
+            warmup_steps=int(warmup_steps),
+            exchange=exchange,
+            cost_model=_as_bool(cost_model),
+            bandwidth=float(bandwidth) if bandwidth is not None else None,
+            overlap=_as_bool(overlap) if overlap is not None else None,
+            reconstruction=reconstruction,
+        )
+
+    @property
+    def hook_calls(self) -> int:
+        """Times DDP called the Hylo hook on this rank (tests and the benchmark read it)."""
+        module = self._lightning_module
+        trainer = getattr(module, "_trainer", None) if module is not None else None
+        callbacks = trainer.callbacks if trainer is not None else [self.hylo]
+        return sum(c.hook_calls for c in callbacks if isinstance(c, HyloCompression))
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        # Added here, before Lightning calls the callbacks' setup and restores their state from
+        # a checkpoint, so the residuals come back on resume.
+        module = self.lightning_module
+        assert module is not None, "Lightning connects the model before setup_environment"
+        trainer: Any = module.trainer
+        if not any(isinstance(callback, HyloCompression) for callback in trainer.callbacks):
+            trainer.callbacks.append(self.hylo)
+
+
+register_strategy(
+    "hylo",
+    HyloStrategy,
+    "DDP with Hylo layer-wise compression (conv kernel top-k, FC 2-bit, error feedback)",
+)
+_PEERS = {
+    "topk": "top-k sparsification (1%) with error feedback, allgathered",
+    "qsgd": "QSGD 4-bit stochastic quantization with error feedback, allgathered",
+    "terngrad": "TernGrad ternary stochastic quantization with error feedback, allgathered",
+    "signsgd": "scaled signSGD (1 bit) with error feedback, allgathered",
+}
+for _codec, _description in _PEERS.items():
+    register_strategy(f"{_codec}_ddp", HyloStrategy, f"DDP with {_description}", codec=_codec)

@@ -1,0 +1,223 @@
+"""The Hylo DDP communication hook on real gloo process groups, with torch's DDP."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from helpers.distributed import run_distributed
+from torch import nn
+
+from lightning_parallel.compression import CostModel, HyloHook, HyloPolicy
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 16, 3),  # 432 weights: kernel top-k
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(16 * 4 * 4, 32),  # 8192 weights: 2-bit
+        nn.ReLU(),
+        nn.Linear(32, 5),  # small: dense
+    )
+
+
+def _policy(**kwargs: Any) -> HyloPolicy:
+    return HyloPolicy(min_compress_numel=400, conv_rate=0.2, **kwargs)
+
+
+def _batch(rank: int, step: int) -> torch.Tensor:
+    return torch.randn(4, 3, 6, 6, generator=torch.Generator().manual_seed(100 * step + rank))
+
+
+def _ddp(module: nn.Module) -> nn.parallel.DistributedDataParallel:
+    # Tiny buckets: several per step, and DDP rebuilds them after the first iteration.
+    return nn.parallel.DistributedDataParallel(module, bucket_cap_mb=0.01)
+
+
+def _grads(module: nn.Module) -> list[torch.Tensor]:
+    return [p.grad.detach().clone() for p in module.parameters()]  # type: ignore[union-attr]
+
+
+def _step(ddp: nn.parallel.DistributedDataParallel, rank: int, step: int) -> list[torch.Tensor]:
+    ddp.zero_grad()
+    ddp(_batch(rank, step)).square().mean().backward()
+    return _grads(ddp.module)
+
+
+def _equal_to_ddp(rank: int, world: int, codec: str, warmup_steps: int, overlap: bool) -> bool:
+    reference = _ddp(_model())
+    hooked = _ddp(_model())
+    policy = _policy(codec=codec)
+    hook = HyloHook(hooked.module.named_parameters(), policy, warmup_steps, overlap=overlap)
+    hook.register(hooked)
+    for step in range(4):
+        expected, got = _step(reference, rank, step), _step(hooked, rank, step)
+        if not all(torch.equal(a, b) for a, b in zip(expected, got)):
+            return False
+    return True
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["background thread", "in the hook"])
+@pytest.mark.parametrize(("codec", "warmup_steps"), [("none", 0), ("hylo", 4)])
+def test_without_compression_the_hook_equals_ddp_bit_for_bit(
+    codec: str, warmup_steps: int, overlap: bool
+) -> None:
+    assert run_distributed(_equal_to_ddp, 2, codec, warmup_steps, overlap) == [True, True]
+
+
+def _conservation(rank: int, world: int, mode: str, overlap: bool) -> dict[str, Any]:
+    """Sum of averaged gradients + residuals == sum of true mean gradients, per parameter."""
+    ddp = _ddp(_model())
+    hook = HyloHook(
+        ddp.module.named_parameters(), _policy(), 0, two_bit_exchange=mode, overlap=overlap
+    )
+    hook.register(ddp)
+    local = copy.deepcopy(ddp.module)  # same weights (no optimizer step): the local gradients
+    names = [name for name, _ in ddp.module.named_parameters()]
+    sent = [torch.zeros_like(p) for p in ddp.module.parameters()]
+    true = [torch.zeros_like(p) for p in ddp.module.parameters()]
+    for step in range(5):
+        for total, grad in zip(sent, _step(ddp, rank, step)):
+            total += grad
+        local.zero_grad()
+        local(_batch(rank, step)).square().mean().backward()
+        for total, param in zip(true, local.parameters()):
+            mean = param.grad.detach().clone()  # type: ignore[union-attr]
+            dist.all_reduce(mean)
+            total += mean / world
+    residual_mean = []
+    for name, param in zip(names, ddp.module.parameters()):
+        worker = hook.memory.residual(name)
+        worker = torch.zeros_like(param) if worker is None else worker.reshape(param.shape).clone()
+        dist.all_reduce(worker)
+        residual_mean.append(worker / world)
+    servers: list[dict[str, torch.Tensor]] = [{} for _ in range(world)]
+    dist.all_gather_object(servers, hook.server_memory.state_dict())
+    return {
+        "names": names,
+        "sent": sent,
+        "true": true,
+        "residual": residual_mean,
+        "server": servers,
+        "calls": hook.calls,
+        "step": hook.step,
+        "residual_keys": sorted(hook.memory),
+    }
+
+
+@pytest.mark.parametrize(
+    ("mode", "overlap"), [("two_phase", True), ("two_phase", False), ("allgather", True)]
+)
+def test_nothing_is_lost_across_steps_and_bucket_rebuilds(mode: str, overlap: bool) -> None:
+    world = 2
+    results = run_distributed(_conservation, world, mode, overlap)
+    result = results[0]
+    assert result["step"] == 5
+    assert result["calls"] > 5  # several buckets per step
+    assert result["residual_keys"] == ["0.weight", "3.weight"]  # keyed by name, not bucket
+    for index, name in enumerate(result["names"]):
+        total = result["sent"][index] + result["residual"][index]
+        # The second residuals live with the chunk owners, in rank order.
+        chunks = [c for server in result["server"] for k, c in server.items() if k.startswith(name)]
+        if chunks:
+            total = total + torch.cat(chunks)[: total.numel()].reshape(total.shape)
+        torch.testing.assert_close(total, result["true"][index], rtol=1e-5, atol=1e-5)
+    for other in results[1:]:  # every rank applies the same averaged gradients
+        assert all(torch.equal(a, b) for a, b in zip(other["sent"], result["sent"]))
+
+
+def _resume(rank: int, world: int) -> bool:
+    first = _ddp(_model())
+    hook = HyloHook(first.module.named_parameters(), _policy(codec="hylo"), warmup_steps=1)
+    hook.register(first)
+    for step in range(3):
+        _step(first, rank, step)
+    state = copy.deepcopy(hook.state_dict())
+    second = _ddp(_model())
+    resumed = HyloHook(second.module.named_parameters(), _policy(codec="hylo"), warmup_steps=1)
+    resumed.load_state_dict(state)
+    resumed.register(second)
+    for step in range(3, 6):
+        a, b = _step(first, rank, step), _step(second, rank, step)
+        if not all(torch.equal(x, y) for x, y in zip(a, b)):
+            return False
+    return resumed.step == hook.step == 6
+
+
+def test_state_dict_resume_is_exact() -> None:
+    assert run_distributed(_resume, 2) == [True, True]
+
+
+def _cost_model(rank: int, world: int, bandwidth: float) -> dict[str, Any]:
+    ddp = _ddp(_model())
+    cost = CostModel(bandwidth=bandwidth)
+    hook = HyloHook(
+        ddp.module.named_parameters(), _policy(), 1, cost_model=cost, calibration_steps=2
+    )
+    hook.register(ddp)
+    local = copy.deepcopy(ddp.module)
+    sent = [torch.zeros_like(p) for p in ddp.module.parameters()]
+    true = [torch.zeros_like(p) for p in ddp.module.parameters()]
+    for step in range(5):
+        for total, grad in zip(sent, _step(ddp, rank, step)):
+            total += grad
+        local.zero_grad()
+        local(_batch(rank, step)).square().mean().backward()
+        for total, param in zip(true, local.parameters()):
+            mean = param.grad.detach().clone()  # type: ignore[union-attr]
+            dist.all_reduce(mean)
+            total += mean / world
+    return {
+        "compress": {name: d.compress for name, d in cost.decisions.items()},
+        "routes": {name: plan.route for name, plan in hook.plans.items()},
+        "residuals": sorted(hook.memory) + sorted(hook.server_memory),
+        "sent": sent,
+        "true": true,
+    }
+
+
+def test_cost_model_keeps_layers_uncompressed_when_the_link_is_fast() -> None:
+    fast = run_distributed(_cost_model, 2, 1e15)  # bytes per second: transfer is free
+    slow = run_distributed(_cost_model, 2, 1e3)  # transfer is dear
+    for result in (fast, slow):  # every rank decides the same
+        assert result[0]["compress"] == result[1]["compress"]
+        assert result[0]["routes"] == result[1]["routes"]
+    assert fast[0]["compress"] == {"0.weight": False, "3.weight": False}
+    assert set(fast[0]["routes"].values()) == {"dense"}
+    # Back to dense, the layers flushed what they kept while compressed: nothing is lost.
+    assert fast[0]["residuals"] == []
+    for sent, true in zip(fast[0]["sent"], fast[0]["true"]):
+        torch.testing.assert_close(sent, true, rtol=1e-5, atol=1e-6)
+    assert slow[0]["compress"] == {"0.weight": True, "3.weight": True}
+    assert slow[0]["routes"]["0.weight"] == "kernel" and slow[0]["routes"]["3.weight"] == "two_bit"
+
+
+def test_cost_model_needs_a_calibration_step() -> None:
+    with pytest.raises(ValueError, match="calibration_steps must be >= 1"):
+        HyloHook(_model().named_parameters(), cost_model=CostModel(), calibration_steps=0)
+
+
+def _failing_exchange(rank: int, world: int) -> str:
+    ddp = _ddp(_model())
+    hook = HyloHook(ddp.module.named_parameters(), _policy(), warmup_steps=0, overlap=True)
+    hook.register(ddp)
+
+    def broken(layers: Any) -> Any:
+        raise ValueError("codec exploded")
+
+    hook.exchange.average = broken  # type: ignore[method-assign]
+    try:
+        _step(ddp, rank, 0)
+    except Exception as error:  # DDP re-raises the background thread's error
+        return str(error)
+    return "no error"
+
+
+def test_an_error_on_the_background_thread_raises_in_backward_instead_of_hanging() -> None:
+    messages = run_distributed(_failing_exchange, 2, timeout=60)
+    assert all("codec exploded" in message for message in messages)
