@@ -89,7 +89,7 @@ class HyloCompression(Callback):
         codec: str = "hylo",
         conv_rate: float = 0.05,
         fc_bits: int = 2,
-        threshold_factor: float = 0.7,
+        threshold_factor: float = 1.0,
         min_compress_numel: int = 8192,
         warmup_steps: int = 0,
         exchange: str = "two_phase",

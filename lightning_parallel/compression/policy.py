@@ -115,7 +115,7 @@ class HyloPolicy:
         codec: str = "hylo",
         conv_rate: float = 0.05,
         fc_bits: int = 2,
-        threshold_factor: float = 0.7,
+        threshold_factor: float = 1.0,
         min_compress_numel: int = 8192,
         reference_numel: int = 65536,
         rate_exponent: float = 0.5,

@@ -71,7 +71,7 @@ class HyloStrategy(DDPStrategy):
         codec: str = "hylo",
         conv_rate: float | str = 0.05,
         fc_bits: int | str = 2,
-        threshold_factor: float | str = 0.7,
+        threshold_factor: float | str = 1.0,
         min_compress_numel: int | str = 8192,
         warmup_steps: int | str = 0,
         exchange: str = "two_phase",

@@ -111,7 +111,7 @@ def test_two_bit_threshold_reconstruction_decodes_to_plus_minus_tau() -> None:
 
 
 def test_two_bit_mean_reconstruction_decodes_to_the_mean_sent_magnitude() -> None:
-    codec = TwoBitQuantizer()  # threshold 0.7 * mean|g|, scale = mean of what is sent
+    codec = TwoBitQuantizer(threshold_factor=0.7)  # scale = mean of what is sent
     gradient = torch.randn(1000)
     tau = 0.7 * gradient.abs().mean()
     sent = gradient.abs() >= tau
