@@ -18,6 +18,8 @@ _EXPECTED_NAMES = {
     "gropipe",
     "spectrain",
     "hylo",
+    "parameter_server",
+    "async_ps",
 }
 
 

@@ -4,6 +4,7 @@ from lightning_parallel.strategies.ddp_hooks import HookedDDPStrategy, PowerSGDD
 from lightning_parallel.strategies.gropipe import GroPipeStrategy
 from lightning_parallel.strategies.hylo import HyloStrategy
 from lightning_parallel.strategies.model_averaging import ModelAveragingStrategy
+from lightning_parallel.strategies.parameter_server import ParameterServerStrategy
 from lightning_parallel.strategies.registry import register_strategy, registered_names
 from lightning_parallel.strategies.spectrain import SpecTrainStrategy
 
@@ -12,6 +13,7 @@ __all__ = [
     "HookedDDPStrategy",
     "HyloStrategy",
     "ModelAveragingStrategy",
+    "ParameterServerStrategy",
     "PowerSGDDDPStrategy",
     "SpecTrainStrategy",
     "register_strategy",

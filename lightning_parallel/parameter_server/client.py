@@ -1,0 +1,276 @@
+"""The worker's side: push the gradient to every shard, pull the fresh weights back.
+
+One exchange (:meth:`ParameterClient.step`), for every shard k hosted on rank h_k:
+
+1. flatten the gradients of the trained parameters into one vector (zeros where a parameter
+   has no gradient);
+2. post the receives of the reply (header, weights) from h_k, then ``isend`` the request header
+   and the gradient slice of shard k; a shard hosted on this very rank is handed the request
+   in-process instead;
+3. wait for every reply: an ``ABORT`` raises :class:`WorkerFailure` naming the failed rank, a
+   lost connection names the shard's host;
+4. copy each shard's weights into the model's parameters and remember the version read, which
+   goes with the next gradient so the server knows its staleness exactly.
+
+The client also keeps this worker's share of the epoch budget (:meth:`take_batch`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch import Tensor
+from torch.distributed import ProcessGroup
+from torch.distributed import distributed_c10d as c10d
+
+from lightning_parallel.parameter_server.faults import WorkerFailure
+from lightning_parallel.parameter_server.host import ShardHost
+from lightning_parallel.parameter_server.layout import ShardLayout, copy_flat_to, flatten_gradients
+from lightning_parallel.parameter_server.protocol import (
+    FAILURE_TEXT,
+    HEADER_SIZE,
+    REPLY_HEADER_TAG,
+    REPLY_WEIGHTS_TAG,
+    REQUEST_GRADIENT_TAG,
+    REQUEST_HEADER_TAG,
+    Reply,
+    ReplyFlag,
+    ReplyKind,
+    Request,
+    RequestFlag,
+    RequestKind,
+)
+
+__all__: list[str] = []
+
+
+def _posted(*works: c10d.Work | None) -> list[c10d.Work]:
+    """The handles of point-to-point calls (``None`` only for a rank outside the group)."""
+    return [work for work in works if work is not None]
+
+
+class ParameterClient:
+    """A worker's connection to all shards of the parameter server.
+
+    Args:
+        rank: this worker's global rank.
+        parameters: the trained parameters in flat order (the model's own tensors).
+        layout: which parameters each shard owns.
+        hosts: global rank hosting each shard.
+        group: the parameter-server process group.
+        local_hosts: shard index → :class:`ShardHost` for shards hosted by this rank.
+        lookahead: batches to keep granted ahead (prefetching takes one batch early, gradient
+            accumulation takes several per step).
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        parameters: Sequence[Tensor],
+        layout: ShardLayout,
+        hosts: Sequence[int],
+        group: ProcessGroup,
+        local_hosts: Mapping[int, ShardHost],
+        lookahead: int = 2,
+    ) -> None:
+        self.rank = rank
+        self.parameters = list(parameters)
+        self.layout = layout
+        self.hosts = list(hosts)
+        self.group = group
+        self.local_hosts = dict(local_hosts)
+        self.lookahead = max(1, lookahead)
+        dtype = self.parameters[0].dtype
+        self.gradient = torch.zeros(layout.total, dtype=dtype)
+        self._slices = [layout.elements_of(shard) for shard in range(layout.shards)]
+        self._weights = [torch.zeros(stop - start, dtype=dtype) for start, stop in self._slices]
+        self._headers = [torch.zeros(HEADER_SIZE, dtype=torch.int64) for _ in self.hosts]
+        self.read_versions = [0] * layout.shards
+        # epoch budget
+        self.allowance = 0
+        self.epoch_over = False
+        self.run_over = False
+        self.in_epoch = False
+        self.steps_this_epoch = 0
+        self.epochs_drained = 0
+        # telemetry
+        self.staleness: Counter[int] = Counter()
+        self.dropped = 0
+        self.gradients_sent = 0
+        self.wait_seconds = 0.0
+        self._bytes_sent = 0.0
+
+    # ------------------------------------------------------------------ epoch budget
+
+    def begin_epoch(self, epoch_batches: int) -> None:
+        """Start an epoch with this rank's ``epoch_batches``: read the weights, get batches.
+
+        Beginning again before any step of the epoch (Lightning re-created the data iterator)
+        restarts it: the batches granted so far go back to the pool.
+        """
+        flags = RequestFlag.NONE
+        if self.in_epoch:
+            if self.steps_this_epoch:
+                raise RuntimeError(
+                    "a new training epoch began on this worker before the previous one drained "
+                    f"({self.steps_this_epoch} steps into it); reloading the training data "
+                    "inside an epoch is not supported with the parameter server"
+                )
+            flags = RequestFlag.RESTART
+        self.allowance, self.epoch_over = 0, False
+        self.in_epoch = True
+        self.steps_this_epoch = 0
+        self._exchange(RequestKind.BEGIN, flags, epoch_batches=epoch_batches)
+
+    def take_batch(self) -> bool:
+        """Use one granted batch; ask for more if none is left. ``False``: the epoch is over."""
+        if self.allowance == 0 and not self.epoch_over:
+            self._exchange(RequestKind.CLAIM, RequestFlag.NONE)
+        if self.allowance == 0:
+            return False
+        self.allowance -= 1
+        return True
+
+    # ------------------------------------------------------------------ steps
+
+    def step(self, has_gradient: bool, drain: bool = False) -> None:
+        """Push this worker's gradient (or nothing: a pull) and read the fresh weights.
+
+        Args:
+            has_gradient: send the parameters' ``.grad`` (else only pull the weights).
+            drain: this is the worker's last step of the epoch; return once every worker has
+                drained, with the epoch's final weights.
+        """
+        flags = RequestFlag.DRAIN if drain else RequestFlag.NONE
+        if has_gradient:
+            flatten_gradients(self.gradient, self.parameters)
+            flags |= RequestFlag.HAS_GRADIENT
+            self.gradients_sent += 1
+        self.steps_this_epoch += 1
+        self._exchange(RequestKind.STEP, flags)
+        if drain:
+            self.in_epoch = False
+            self.epochs_drained += 1
+
+    def drain(self) -> None:
+        """End the epoch without a gradient (the last step sent none)."""
+        self.step(has_gradient=False, drain=True)
+
+    def leave(self) -> None:
+        """Tell every shard this worker stops (no reply is awaited)."""
+        self._exchange(RequestKind.LEAVE, RequestFlag.NONE)
+
+    def take_bytes(self) -> float:
+        """Bytes this worker sent since the last call (request headers and gradients)."""
+        sent, self._bytes_sent = self._bytes_sent, 0.0
+        return sent
+
+    # ------------------------------------------------------------------ exchange
+
+    def _exchange(self, kind: RequestKind, flags: RequestFlag, epoch_batches: int = 0) -> None:
+        start = time.perf_counter()
+        want = max(0, self.lookahead - self.allowance) if kind != RequestKind.LEAVE else 0
+        remote: list[tuple[int, list[c10d.Work], list[c10d.Work], list[Tensor]]] = []
+        local: list[int] = []
+        for shard, host in enumerate(self.hosts):
+            first, stop = self._slices[shard]
+            request = Request(
+                kind,
+                self.rank,
+                self.read_versions[shard],
+                flags,
+                want if shard == 0 else 0,
+                epoch_batches if shard == 0 else 0,
+                self.gradient[first:stop] if RequestFlag.HAS_GRADIENT in flags else None,
+                self.allowance if shard == 0 else 0,
+            )
+            if host == self.rank:
+                self.local_hosts[shard].submit(request)
+                local.append(shard)
+                continue
+            receives: list[c10d.Work] = []
+            if kind != RequestKind.LEAVE:
+                # receives are posted before the request leaves, so the reply lands directly
+                receives = _posted(
+                    c10d.irecv(
+                        self._headers[shard], src=host, group=self.group, tag=REPLY_HEADER_TAG
+                    ),
+                    c10d.irecv(
+                        self._weights[shard], src=host, group=self.group, tag=REPLY_WEIGHTS_TAG
+                    ),
+                )
+            header = request.header()
+            sends = _posted(c10d.isend(header, dst=host, group=self.group, tag=REQUEST_HEADER_TAG))
+            self._bytes_sent += header.numel() * 8
+            if request.gradient is not None:
+                sends += _posted(
+                    c10d.isend(
+                        request.gradient, dst=host, group=self.group, tag=REQUEST_GRADIENT_TAG
+                    )
+                )
+                self._bytes_sent += request.gradient.numel() * request.gradient.element_size()
+            remote.append((shard, receives, sends, [header]))
+        replies: dict[int, Reply] = {}
+        try:
+            for shard, receives, sends, _keep_alive in remote:
+                host = self.hosts[shard]
+                try:
+                    for work in sends + receives:
+                        work.wait()
+                except Exception as error:
+                    raise WorkerFailure(
+                        f"parameter server: lost the connection to shard {shard} on rank {host}: "
+                        f"rank {host} failed or is unreachable ({str(error).splitlines()[0]})",
+                        rank=host,
+                    ) from error
+                if receives:
+                    replies[shard] = Reply.from_header(
+                        self.rank, self._headers[shard], self._weights[shard]
+                    )
+            for shard in local:
+                if kind != RequestKind.LEAVE:
+                    replies[shard] = self._wait_local(self.local_hosts[shard])
+        finally:
+            self.wait_seconds += time.perf_counter() - start
+        if kind == RequestKind.LEAVE:
+            return
+        self._accept(kind, replies)
+
+    def _wait_local(self, host: ShardHost) -> Reply:
+        while True:
+            reply = host.take_local(timeout=0.5)
+            if reply is not None:
+                return reply
+
+    def _accept(self, kind: RequestKind, replies: dict[int, Reply]) -> None:
+        for reply in replies.values():
+            if reply.kind == ReplyKind.ABORT:
+                reason = reply.reason or FAILURE_TEXT[reply.failure]
+                raise WorkerFailure(
+                    f"parameter server: worker rank {reply.failed_rank} failed: {reason}; the "
+                    "run stops (every worker is told the same)",
+                    rank=reply.failed_rank,
+                )
+        for shard, reply in sorted(replies.items()):
+            if kind != RequestKind.CLAIM:
+                first, stop = self.layout.bounds[shard]
+                copy_flat_to(reply.weights, self.parameters[first:stop])
+                self.read_versions[shard] = reply.version
+            if shard == 0:
+                self.allowance += reply.granted
+                # the latest word counts: batches taken back from a worker (a negative grant)
+                # reopen the pool, and that worker must come back for them
+                self.epoch_over = ReplyFlag.EPOCH_OVER in reply.flags
+                self.run_over |= ReplyFlag.RUN_OVER in reply.flags
+                if reply.staleness >= 0:
+                    self.staleness[reply.staleness] += 1
+                    self.dropped += ReplyFlag.DROPPED in reply.flags
+
+    @property
+    def staleness_mean(self) -> float:
+        """Mean staleness of this worker's gradients (as reported by the first shard)."""
+        count = sum(self.staleness.values())
+        return sum(s * n for s, n in self.staleness.items()) / count if count else 0.0

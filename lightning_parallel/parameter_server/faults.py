@@ -1,0 +1,128 @@
+"""Detect dead or frozen workers, so that a failure stops the run instead of hanging it.
+
+Two signals, both naming the rank:
+
+1. **Connection loss.** A shard host listens to each remote worker on its own thread with a
+   directed receive; when the worker's process dies, the kernel closes its sockets and gloo
+   raises in that thread at once ("Connection closed by peer").
+2. **Silence.** A worker that is alive but frozen (stopped, swapped out, cut off) keeps its
+   sockets open. Every rank runs a :class:`Heartbeat` that increments a counter in the
+   process group's key-value store every ``timeout / 4`` seconds; a shard host's
+   :class:`Watchdog` declares a worker failed when its counter has not moved for ``timeout``.
+
+The shard then answers every waiting and every later request with ``ABORT``; each worker
+raises :class:`WorkerFailure` naming the failed rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+
+import torch.distributed as dist
+
+__all__: list[str] = []
+
+log = logging.getLogger(__name__)
+
+
+class WorkerFailure(RuntimeError):
+    """A worker (or shard host) of the parameter server failed; the run cannot go on.
+
+    Attributes:
+        rank: the global rank that failed (``None`` when unknown).
+    """
+
+    def __init__(self, message: str, rank: int | None = None) -> None:
+        super().__init__(message)
+        self.rank = rank
+
+
+def heartbeat_store(session: str) -> dist.Store | None:
+    """A key-value store shared by all ranks (the default process group's), or ``None``."""
+    try:
+        base = dist.distributed_c10d._get_default_store()
+    except (AttributeError, RuntimeError, ValueError):
+        return None
+    return dist.PrefixStore(f"lightning_parallel/parameter_server/{session}/", base)
+
+
+def _key(rank: int) -> str:
+    return f"beat/{rank}"
+
+
+class Heartbeat:
+    """Increment this rank's counter in ``store`` every ``interval`` seconds (a thread)."""
+
+    def __init__(self, store: dist.Store, rank: int, interval: float) -> None:
+        self._store = store
+        self._rank = rank
+        self._interval = interval
+        self._stop = threading.Event()
+        store.add(_key(rank), 1)
+        self._thread = threading.Thread(target=self._run, name=f"ps-heartbeat-{rank}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            try:
+                self._store.add(_key(self._rank), 1)
+            except Exception:  # the store's host is gone: the run is failing anyway
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=5.0)
+
+
+class Watchdog:
+    """Call ``on_silent(rank)`` for a watched rank whose heartbeat stalls for ``timeout`` s.
+
+    Args:
+        store: the store the heartbeats write to.
+        watched: returns the ranks to watch now (workers that left are not watched).
+        timeout: seconds of silence that count as a failure.
+        on_silent: called once per silent rank, from the watchdog's thread.
+    """
+
+    def __init__(
+        self,
+        store: dist.Store,
+        watched: Callable[[], Iterable[int]],
+        timeout: float,
+        on_silent: Callable[[int, float], None],
+    ) -> None:
+        self._store = store
+        self._watched = watched
+        self._timeout = timeout
+        self._on_silent = on_silent
+        self._stop = threading.Event()
+        self._seen: dict[int, tuple[int, float]] = {}
+        self._reported: set[int] = set()
+        self._thread = threading.Thread(target=self._run, name="ps-watchdog", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(min(1.0, self._timeout / 4)):
+            now = time.monotonic()
+            for rank in self._watched():
+                if rank in self._reported:
+                    continue
+                try:
+                    count = int(self._store.add(_key(rank), 0))
+                except Exception:
+                    return
+                last = self._seen.get(rank)
+                if last is None or count != last[0]:
+                    self._seen[rank] = (count, now)
+                elif now - last[1] > self._timeout:
+                    self._reported.add(rank)
+                    self._on_silent(rank, now - last[1])
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=5.0)

@@ -1,0 +1,419 @@
+"""One server shard as a pure state machine: requests in, replies out, no communication.
+
+:class:`ShardServer` owns a slice of the flat parameters and an optimizer over it (the user's
+optimizer class and hyperparameters). Threads and the network live in
+:class:`~lightning_parallel.parameter_server.host.ShardHost`; the deterministic simulator
+(:mod:`~lightning_parallel.parameter_server.simulation`) drives the same class without them.
+
+Algorithm, for each request (Zhang et al. 2016; Ho et al. 2013; Zheng et al. 2017):
+
+1. ``BEGIN``: the worker starts an epoch; it reads the current weights (version v) and is
+   granted batches of the epoch budget.
+2. ``STEP`` with a gradient: the gradient joins the pending list with the version it was
+   computed on. A ``STEP`` without one is a pull: the worker reads version v at once.
+3. While :meth:`UpdatePolicy.group_size` allows, the oldest pending gradients form one update
+   at version v: each gets staleness τ = v − read; gradients with τ above the drop bound are
+   discarded; the others are delay-compensated (DC-ASGD, g + λ·g⊙g⊙(w_v − w_read)) and
+   combined as ĝ = Σ f(τ_i)·g_i / Σ f(τ_i) with a learning rate η·mean f(τ_i), so that for
+   SGD every gradient moves the weights by −η·f(τ_i)·g_i/|group|. The optimizer steps and
+   the version becomes v + 1. Each worker of the group reads version v + 1 in its reply.
+4. ``DRAIN``: a worker's last step of the epoch is answered only when every live worker has
+   drained and no gradient is pending, so that every rank leaves the epoch with the same
+   weights, in step with Lightning's collectives.
+5. A failed worker (:meth:`fail`) aborts the run: every waiting and every later request is
+   answered with ``ABORT`` naming the failed rank.
+"""
+
+from __future__ import annotations
+
+import copy
+import enum
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from lightning_parallel.parameter_server.budget import EpochBudget
+from lightning_parallel.parameter_server.policies import UpdatePolicy
+from lightning_parallel.parameter_server.protocol import (
+    FailureKind,
+    Reply,
+    ReplyFlag,
+    ReplyKind,
+    Request,
+    RequestFlag,
+    RequestKind,
+)
+from lightning_parallel.parameter_server.telemetry import ServerStatistics
+
+__all__: list[str] = []
+
+
+class WorkerStatus(enum.Enum):
+    """Where a worker is, as the server sees it."""
+
+    IDLE = "idle"  # between epochs (or not begun)
+    COMPUTING = "computing"  # holds weights, computing a gradient
+    WAITING = "waiting"  # its gradient is pending; waits for the reply
+    DRAIN_PENDING = "drain_pending"  # its last gradient of the epoch is pending
+    DRAINING = "draining"  # done with the epoch; waits for every worker to drain
+    LEFT = "left"
+    FAILED = "failed"
+
+
+_LIVE = (
+    WorkerStatus.IDLE,
+    WorkerStatus.COMPUTING,
+    WorkerStatus.WAITING,
+    WorkerStatus.DRAIN_PENDING,
+    WorkerStatus.DRAINING,
+)
+_WAITING_FOR_REPLY = (WorkerStatus.WAITING, WorkerStatus.DRAIN_PENDING, WorkerStatus.DRAINING)
+
+
+@dataclass
+class _Worker:
+    status: WorkerStatus = WorkerStatus.IDLE
+    read_version: int = 0
+    weights_read: Tensor | None = None  # the exact weights it read (DC-ASGD's w_used)
+    want: int = 0
+    held: int = 0
+    staleness: int = -1  # staleness of its last consumed gradient, for the reply
+    dropped: bool = False
+    waiting_since: float = 0.0
+
+
+@dataclass
+class _Pending:
+    worker: int
+    read_version: int
+    gradient: Tensor
+    drain: bool
+
+
+class ShardServer:
+    """A shard of the parameter server: weights, optimizer, versions and policy.
+
+    Args:
+        parameters: the shard's initial parameters (copied into one flat CPU vector).
+        make_optimizer: builds the shard's optimizer over the list of parameter tensors it is
+            given (views of the flat vector, with the original shapes).
+        policy: the update rules.
+        workers: global ranks of all workers.
+        budget: the epoch budget (only the first shard holds one; ``None`` elsewhere).
+        before_update: called with the optimizer before every update (the strategy uses it to
+            copy the current learning rate and other hyperparameters from the user's optimizer,
+            so that learning-rate schedulers keep working).
+        clock: time source for waiting-time telemetry.
+    """
+
+    def __init__(
+        self,
+        parameters: Sequence[Tensor],
+        make_optimizer: Callable[[list[Tensor]], Optimizer],
+        policy: UpdatePolicy,
+        workers: Sequence[int],
+        *,
+        budget: EpochBudget | None = None,
+        before_update: Callable[[Optimizer], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not parameters:
+            raise ValueError("a shard needs at least one parameter")
+        dtypes = {parameter.dtype for parameter in parameters}
+        if len(dtypes) != 1:
+            raise ValueError(
+                f"a shard's parameters must share one dtype, got {sorted(map(str, dtypes))}; "
+                "cast the model to one dtype"
+            )
+        self.policy = policy
+        self.budget = budget
+        self.version = 0
+        self.statistics = ServerStatistics()
+        self.failure: tuple[int, str] | None = None
+        self.failure_kind = FailureKind.UNKNOWN
+        self._before_update = before_update
+        self._clock = clock
+        with torch.no_grad():
+            self.weights = torch.cat([p.detach().reshape(-1).cpu() for p in parameters]).clone()
+        self.gradient = torch.zeros_like(self.weights)
+        self.parameters: list[Tensor] = []
+        offset = 0
+        for parameter in parameters:
+            numel = parameter.numel()
+            view = self.weights[offset : offset + numel].view(parameter.shape)
+            view.grad = self.gradient[offset : offset + numel].view(parameter.shape)
+            self.parameters.append(view)
+            offset += numel
+        self.optimizer = make_optimizer(self.parameters)
+        self._workers = {int(rank): _Worker() for rank in workers}
+        self._pending: list[_Pending] = []
+        self._snapshot: Tensor | None = None
+        self._buffers: dict[int, Tensor] = {}
+
+    # ------------------------------------------------------------------ requests
+
+    def gradient_buffer(self, worker: int) -> Tensor:
+        """Where a remote worker's gradient for this shard is received.
+
+        One per worker suffices: a worker sends its next gradient only after the reply to the
+        previous one, which comes after the previous gradient was consumed.
+        """
+        if worker not in self._buffers:
+            self._buffers[worker] = torch.empty_like(self.weights)
+        return self._buffers[worker]
+
+    def handle(self, request: Request) -> list[Reply]:
+        """Process one request; return the replies now due (to this and other workers)."""
+        worker = self._worker(request.worker)
+        if request.kind == RequestKind.LEAVE:
+            worker.status = WorkerStatus.LEFT
+            return [] if self.failure else self._progress()
+        if self.failure is not None:
+            return [self._abort(request.worker)]
+        if worker.status in (WorkerStatus.LEFT, WorkerStatus.FAILED):
+            raise RuntimeError(
+                f"worker rank {request.worker} sent {request.kind.name} after leaving"
+            )
+        if request.kind == RequestKind.BEGIN:
+            granted, flags = (
+                self.budget.begin(
+                    request.worker,
+                    request.epoch_batches,
+                    request.want,
+                    restart=RequestFlag.RESTART in request.flags,
+                )
+                if self.budget is not None
+                else (0, ReplyFlag.NONE)
+            )
+            return [self._read(request.worker, granted, flags)]
+        if request.kind == RequestKind.CLAIM:
+            granted, flags = self._grant(request.worker, request.want, request.held)
+            return [self._reply(request.worker, granted, flags)]
+        worker.want, worker.held = request.want, request.held
+        drain = RequestFlag.DRAIN in request.flags
+        if RequestFlag.HAS_GRADIENT in request.flags:
+            if request.gradient is None or request.gradient.numel() != self.weights.numel():
+                raise ValueError(f"worker rank {request.worker} sent a gradient of the wrong size")
+            self._pending.append(
+                _Pending(request.worker, worker.read_version, request.gradient, drain)
+            )
+            worker.status = WorkerStatus.DRAIN_PENDING if drain else WorkerStatus.WAITING
+            worker.waiting_since = self._clock()
+            return self._progress()
+        worker.staleness, worker.dropped = -1, False
+        if drain:
+            worker.status = WorkerStatus.DRAINING
+            worker.waiting_since = self._clock()
+            return self._progress()
+        granted, flags = self._grant(request.worker, request.want, request.held)
+        return [self._read(request.worker, granted, flags)]
+
+    def fail(
+        self, worker: int, reason: str, kind: FailureKind = FailureKind.UNKNOWN
+    ) -> list[Reply]:
+        """Worker ``worker`` is gone: abort every waiting worker (and all later requests)."""
+        state = self._workers.get(worker)
+        if state is None or state.status == WorkerStatus.LEFT or self.failure is not None:
+            return []
+        state.status = WorkerStatus.FAILED
+        self.failure = (worker, reason)
+        self.failure_kind = kind
+        return [
+            self._abort(rank)
+            for rank, other in self._workers.items()
+            if other.status in _WAITING_FOR_REPLY
+        ]
+
+    @property
+    def live_workers(self) -> list[int]:
+        return [rank for rank, worker in self._workers.items() if worker.status in _LIVE]
+
+    def status(self, worker: int) -> WorkerStatus:
+        return self._worker(worker).status
+
+    # ------------------------------------------------------------------ updates
+
+    def _progress(self) -> list[Reply]:
+        replies: list[Reply] = []
+        while True:
+            # a worker that has not begun the epoch yet will read the current version and
+            # send a gradient too: synchronous and softsync groups must wait for it
+            computing = [
+                worker.read_version if worker.status == WorkerStatus.COMPUTING else self.version
+                for worker in self._workers.values()
+                if worker.status in (WorkerStatus.COMPUTING, WorkerStatus.IDLE)
+            ]
+            size = self.policy.group_size(
+                [pending.read_version for pending in self._pending], computing, self.version
+            )
+            if size == 0:
+                break
+            group, self._pending = self._pending[:size], self._pending[size:]
+            self._apply(group)
+            for pending in group:
+                worker = self._workers[pending.worker]
+                if worker.status not in (WorkerStatus.WAITING, WorkerStatus.DRAIN_PENDING):
+                    continue  # it failed or left meanwhile
+                self._add_held(pending.worker)
+                if pending.drain:
+                    worker.status = WorkerStatus.DRAINING
+                    worker.waiting_since = self._clock()
+                else:
+                    granted, flags = self._grant(pending.worker, worker.want, worker.held)
+                    replies.append(self._read(pending.worker, granted, flags))
+        replies.extend(self._finish_drain())
+        return replies
+
+    def _apply(self, group: list[_Pending]) -> None:
+        kept: list[tuple[int, float, Tensor]] = []
+        for pending in group:
+            staleness = self.version - pending.read_version
+            worker = self._workers[pending.worker]
+            worker.staleness = staleness
+            self.statistics.record(pending.worker, staleness)
+            if not self.policy.keeps(staleness):
+                worker.dropped = True
+                self.statistics.dropped += 1
+                continue
+            worker.dropped = False
+            gradient = pending.gradient
+            if self.policy.delay_compensation and worker.weights_read is not None:
+                gradient = self.policy.compensate(gradient, self.weights, worker.weights_read)
+            kept.append((pending.worker, self.policy.factor(staleness), gradient))
+        self.statistics.record_group(len(group))
+        if not kept:
+            return
+        kept.sort(key=lambda item: item[0])  # a fixed summation order: reproducible sums
+        total = sum(factor for _, factor, _ in kept)
+        with torch.no_grad():
+            if len(kept) == 1:
+                self.gradient.copy_(kept[0][2])
+            else:
+                self.gradient.zero_()
+                for _, factor, gradient in kept:
+                    self.gradient.add_(gradient, alpha=factor)
+                self.gradient.div_(total)
+        self._step(total / len(kept))
+        self.version += 1
+        self._snapshot = None
+        self.statistics.applied += len(kept)
+        self.statistics.updates += 1
+
+    def _step(self, learning_rate_scale: float) -> None:
+        if self._before_update is not None:
+            self._before_update(self.optimizer)
+        saved = [group["lr"] for group in self.optimizer.param_groups]
+        if learning_rate_scale != 1.0:
+            for group in self.optimizer.param_groups:
+                group["lr"] = group["lr"] * learning_rate_scale
+        try:
+            self.optimizer.step()
+        finally:
+            for group, learning_rate in zip(self.optimizer.param_groups, saved):
+                group["lr"] = learning_rate
+
+    def _finish_drain(self) -> list[Reply]:
+        live = [worker for worker in self._workers.values() if worker.status in _LIVE]
+        draining = [w for w in live if w.status == WorkerStatus.DRAINING]
+        if not draining or len(draining) != len(live) or self._pending:
+            return []
+        if self.budget is not None:
+            self.budget.close_epoch()
+        flags = self.budget.flags() if self.budget is not None else ReplyFlag.NONE
+        replies = []
+        for rank, worker in self._workers.items():
+            if worker.status == WorkerStatus.DRAINING:
+                self._add_held(rank)
+                replies.append(self._read(rank, 0, flags))
+                worker.status = WorkerStatus.IDLE
+        return replies
+
+    # ------------------------------------------------------------------ replies
+
+    def _grant(self, worker: int, want: int, held: int) -> tuple[int, ReplyFlag]:
+        if self.budget is None:
+            return 0, ReplyFlag.NONE
+        return self.budget.grant(worker, want, held)
+
+    def _weights(self) -> Tensor:
+        # One read-only snapshot per version: sends may still be reading it while the next
+        # update changes the weights, and DC-ASGD needs exactly the weights each worker read.
+        if self._snapshot is None:
+            self._snapshot = self.weights.clone()
+        return self._snapshot
+
+    def _read(self, rank: int, granted: int, flags: ReplyFlag) -> Reply:
+        worker = self._workers[rank]
+        if worker.status != WorkerStatus.DRAINING:
+            worker.status = WorkerStatus.COMPUTING
+        worker.read_version = self.version
+        if self.policy.delay_compensation:
+            worker.weights_read = self._weights()
+        return self._reply(rank, granted, flags)
+
+    def _reply(self, rank: int, granted: int, flags: ReplyFlag) -> Reply:
+        worker = self._workers[rank]
+        if worker.dropped:
+            flags |= ReplyFlag.DROPPED
+        reply = Reply(
+            rank, ReplyKind.WEIGHTS, self.version, self._weights(), granted, flags, worker.staleness
+        )
+        worker.staleness, worker.dropped = -1, False
+        return reply
+
+    def _abort(self, rank: int) -> Reply:
+        assert self.failure is not None
+        failed, reason = self.failure
+        return Reply(
+            rank,
+            ReplyKind.ABORT,
+            self.version,
+            self._weights(),
+            failed_rank=failed,
+            failure=self.failure_kind,
+            reason=reason,
+        )
+
+    def _add_held(self, rank: int) -> None:
+        worker = self._workers[rank]
+        held = self.statistics.held_seconds
+        held[rank] = held.get(rank, 0.0) + max(0.0, self._clock() - worker.waiting_since)
+
+    def _worker(self, rank: int) -> _Worker:
+        try:
+            return self._workers[rank]
+        except KeyError:
+            raise ValueError(f"rank {rank} is not a worker of this shard") from None
+
+    # ------------------------------------------------------------------ state
+
+    def state_dict(self) -> dict[str, Any]:
+        """Weights, optimizer state, version and counters (between epochs: nothing pending)."""
+        return {
+            "weights": self.weights.clone(),
+            "optimizer": copy.deepcopy(self.optimizer.state_dict()),
+            "version": self.version,
+            "statistics": self.statistics.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (weights and optimizer state are optional keys)."""
+        if self._pending:
+            raise RuntimeError("cannot load a shard's state while gradients are pending")
+        with torch.no_grad():
+            if "weights" in state:
+                self.weights.copy_(state["weights"])
+        if "optimizer" in state:
+            self.optimizer.load_state_dict(state["optimizer"])
+        self.version = int(state["version"])
+        if "statistics" in state:
+            self.statistics.load_state_dict(state["statistics"])
+        self._snapshot = None
+        for worker in self._workers.values():
+            worker.read_version = self.version
+            worker.weights_read = None

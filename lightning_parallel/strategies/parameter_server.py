@@ -1,0 +1,505 @@
+"""Asynchronous, staleness-aware parameter-server training for any LightningModule.
+
+``Trainer(strategy=ParameterServerStrategy(staleness="inverse"))``: every rank is a worker that
+computes gradients on its own batches; the optimizer runs on server shards (threads of ordinary
+ranks, on a gloo process group of their own); the user's module and optimizer are unchanged.
+
+Supported: one optimizer, automatic optimization, validation at epoch ends, CPU or GPU workers
+(the server keeps its weights on the CPU), any ``torch.optim`` optimizer and learning-rate
+scheduler, checkpoints that load under ``ddp`` and on one device. How a step goes:
+
+1. Lightning's closure runs ``training_step``, backward, gradient clipping and the
+   ``on_before_optimizer_step`` hooks as usual;
+2. instead of ``optimizer.step()``, the worker pushes the gradient with the version of the
+   weights it used and pulls the shards' current weights (:class:`ParameterClient`); a fast
+   worker does not wait for a slow one unless SSP or n-softsync says so;
+3. an epoch is a budget of batches shared by all workers
+   (:mod:`~lightning_parallel.parameter_server.data`): fast workers take more of it; when it
+   is spent every worker *drains*: its last step returns once every gradient is applied, so
+   all ranks leave the epoch with the server's weights and meet Lightning's collectives
+   (validation, checkpoint, logging) together;
+4. between the first batch and the drain, ranks are not in step: ``self.log(sync_dist=True)``
+   in ``training_step`` logs the local value (a warning says so), and a collective there
+   (``barrier``, ``broadcast``, ``all_gather``) raises, naming the cause.
+
+Example::
+
+    trainer = Trainer(accelerator="cpu", devices=4, max_epochs=3,
+                      strategy=ParameterServerStrategy(staleness="inverse", max_staleness=4))
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
+
+import pytorch_lightning as pl
+import torch
+from lightning_fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning_fabric.plugins.environments import LightningEnvironment
+from lightning_fabric.utilities.types import _PATH, ReduceOp
+from pytorch_lightning.callbacks import Callback, ModelCheckpoint, Timer
+from pytorch_lightning.overrides.distributed import _sync_module_states
+from pytorch_lightning.plugins.precision import Precision
+from pytorch_lightning.strategies import DDPStrategy
+from pytorch_lightning.strategies.launchers import (
+    _MultiProcessingLauncher,
+    _SubprocessScriptLauncher,
+)
+from pytorch_lightning.trainer.states import RunningStage, TrainerFn
+from pytorch_lightning.utilities.exceptions import SIGTERMException
+from pytorch_lightning.utilities.rank_zero import rank_zero_warn
+from torch import Tensor
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_parallel.comm.ledger import process_ledger
+from lightning_parallel.parameter_server.data import BudgetedLoader
+from lightning_parallel.parameter_server.faults import WorkerFailure
+from lightning_parallel.parameter_server.policies import UpdatePolicy
+from lightning_parallel.parameter_server.runtime import ParameterServerRuntime
+from lightning_parallel.strategies.registry import register_strategy
+
+__all__: list[str] = []
+
+log = logging.getLogger(__name__)
+
+_START_METHODS = ("popen", "spawn", "fork", "forkserver")
+
+
+class ParameterServerStrategy(DDPStrategy):
+    """Train asynchronously against a parameter server with staleness control.
+
+    Args:
+        staleness: learning-rate scaling by staleness τ (updates missed; 0 = fresh): ``"none"``
+            (default), ``"inverse"`` (η/(τ+1), Zhang et al.'s η/τ), ``"sqrt"`` (η/√(τ+1)),
+            ``"exp"`` (η·e^(−staleness_decay·τ)).
+        softsync: n-softsync: each server update averages n gradients (default 1: apply each
+            on arrival; must not exceed the number of workers).
+        max_staleness: SSP bound s: no gradient is applied more than s updates stale; a fast
+            worker blocks instead (default ``None``: unbounded; ``0``: synchronous SGD).
+        dc: DC-ASGD delay-compensation λ (default 0.0: off; the paper uses about 0.04).
+        drop_staleness: drop gradients staler than this (default ``None``: keep all).
+        staleness_decay: decay c of ``"exp"`` scaling (default 0.5).
+        server_rank: global rank hosting the first shard (default 0; shard k is on
+            ``(server_rank + k) % world_size``).
+        shards: number of server shards (default 1), each owning whole parameters.
+        timeout: seconds of heartbeat silence after which a worker counts as dead (default 60);
+            a worker whose process dies is detected at once. Either way every rank stops with
+            :class:`~lightning_parallel.parameter_server.WorkerFailure` naming the dead rank.
+        start_method: how Lightning starts the processes: ``"popen"`` (default, like ``ddp``),
+            ``"spawn"``, ``"fork"``, ``"forkserver"``; ignored when the processes are started
+            by an outside launcher (torchrun, SLURM, the benchmark's cluster).
+        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
+        process_group_backend: as for Lightning's ``DDPStrategy``.
+    """
+
+    strategy_name = "parameter_server"
+    #: CommStats must not add DDP's analytic allreduce bytes: this strategy reports its own.
+    reports_communication = True
+
+    def __init__(
+        self,
+        staleness: str = "none",
+        softsync: int = 1,
+        max_staleness: int | float | str | None = None,
+        dc: float = 0.0,
+        drop_staleness: int | float | str | None = None,
+        staleness_decay: float = 0.5,
+        server_rank: int = 0,
+        shards: int = 1,
+        timeout: float = 60.0,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+    ) -> None:
+        self.policy = UpdatePolicy(
+            staleness=str(staleness),
+            staleness_decay=float(staleness_decay),
+            drop_staleness=drop_staleness,  # type: ignore[arg-type]
+            softsync=softsync,
+            max_staleness=max_staleness,  # type: ignore[arg-type]
+            delay_compensation=float(dc),
+        )
+        if int(server_rank) != server_rank or server_rank < 0:
+            raise ValueError(f"server_rank must be a global rank >= 0, got {server_rank!r}")
+        if int(shards) != shards or shards < 1:
+            raise ValueError(f"shards must be an integer >= 1, got {shards!r}")
+        if not float(timeout) > 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
+        if start_method not in _START_METHODS:
+            raise ValueError(f"start_method must be one of {_START_METHODS}, got {start_method!r}")
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            start_method=start_method,
+        )
+        self.server_rank = int(server_rank)
+        self.shards = int(shards)
+        self.fault_timeout = float(timeout)
+        self.runtime: ParameterServerRuntime | None = None
+        self._asynchronous = False
+        self._failed = False
+        self._warned_sync_dist = False
+        self._server_state: dict[str, Any] | None = None
+        self._resume_server_state: dict[str, Any] | None = None
+        self._restore: list[Callable[[], None]] = []
+        self._limit: int | float = 1.0
+
+    # ------------------------------------------------------------------ launch and setup
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if self._launched_externally() or self._start_method == "popen":
+            # an outside launcher started every process: Lightning's subprocess launcher then
+            # only runs the function, as it does for `ddp`
+            self._launcher = _SubprocessScriptLauncher(
+                self.cluster_environment, self.num_processes, self.num_nodes
+            )
+        else:
+            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+
+    def _launched_externally(self) -> bool:
+        environment = self.cluster_environment
+        assert environment is not None
+        if not environment.creates_processes_externally:
+            return False
+        if isinstance(environment, LightningEnvironment):
+            # Lightning's own launchers leave LOCAL_RANK behind in the process that ran them;
+            # an outside launcher (the benchmark's cluster, a script) also exports WORLD_SIZE
+            world = os.environ.get("WORLD_SIZE")
+            return world is not None and int(world) == self.num_processes * self.num_nodes
+        return True  # torchrun, SLURM, ...
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting:
+            self._check_configuration(trainer)
+        self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        _sync_module_states(self.model)  # every worker starts from rank 0's weights, like DDP
+        if fitting:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if fitting:
+            self._start(trainer)
+
+    def _check_configuration(self, trainer: pl.Trainer) -> None:
+        module = trainer.lightning_module
+        if not module.automatic_optimization:
+            raise ValueError(
+                "ParameterServerStrategy runs the optimizer on the server and supports automatic "
+                "optimization only; remove `self.automatic_optimization = False`"
+            )
+        if self.policy.softsync > trainer.world_size:
+            raise ValueError(
+                f"softsync={self.policy.softsync} waits for more gradients than there are workers "
+                f"({trainer.world_size}); use softsync <= {trainer.world_size}"
+            )
+        if self.shards > trainer.world_size or self.server_rank >= trainer.world_size:
+            raise ValueError(
+                f"shards={self.shards} and server_rank={self.server_rank} need a world size above "
+                f"both; it is {trainer.world_size}"
+            )
+        interval = trainer.val_check_interval
+        if getattr(trainer, "_val_check_time_interval", None) is not None or not (
+            isinstance(interval, float) and interval == 1.0
+        ):
+            raise ValueError(
+                "ParameterServerStrategy validates at epoch ends only (workers are not in step "
+                f"inside an epoch); got val_check_interval={interval!r}: leave it at 1.0 and use "
+                "check_val_every_n_epoch"
+            )
+        for callback in trainer.callbacks:  # type: ignore[attr-defined]
+            if isinstance(callback, ModelCheckpoint) and (
+                callback._every_n_train_steps > 0 or callback._train_time_interval is not None
+            ):
+                raise ValueError(
+                    "ModelCheckpoint(every_n_train_steps / train_time_interval) saves inside an "
+                    "epoch, where parameter-server workers are not in step; use every_n_epochs"
+                )
+            if isinstance(callback, Timer) and callback._interval == "step" and callback._duration:
+                raise ValueError(
+                    "Timer(interval='step') broadcasts a decision every step, where "
+                    "parameter-server workers are not in step; use Timer(interval='epoch')"
+                )
+
+    def _start(self, trainer: pl.Trainer) -> None:
+        if len(self.optimizers) != 1:
+            raise ValueError(
+                f"ParameterServerStrategy runs exactly one optimizer on the server; "
+                f"configure_optimizers returned {len(self.optimizers)}"
+            )
+        epoch_loop = trainer.fit_loop.epoch_loop
+        accumulate = trainer.accumulate_grad_batches
+        run_batches = None
+        max_steps = epoch_loop.max_steps
+        if max_steps >= 0:
+            # a step budget is global: fast workers take more of it (see the module docstring)
+            run_batches = max_steps * accumulate * trainer.world_size
+            epoch_loop.max_steps = -1
+            self._restore.append(lambda: setattr(epoch_loop, "max_steps", max_steps))
+        self._limit = trainer.limit_train_batches
+        if self._limit != 1.0:
+            # the limit becomes this rank's contribution to the epoch budget (process_dataloader)
+            limit = trainer.limit_train_batches
+            trainer.limit_train_batches = 1.0
+            self._restore.append(lambda: setattr(trainer, "limit_train_batches", limit))
+        # Lightning broadcasts a SIGTERM flag from rank 0 before every training batch, which
+        # would put the workers back in lockstep; each rank checks its own signal instead.
+        epoch_loop._broadcast_sigterm_tensor = lambda: _local_sigterm(trainer)  # type: ignore[method-assign]
+        self._restore.append(lambda: epoch_loop.__dict__.pop("_broadcast_sigterm_tensor", None))
+        self.runtime = ParameterServerRuntime(
+            self.optimizers[0],
+            self.policy,
+            shards=self.shards,
+            server_rank=self.server_rank,
+            timeout=self.fault_timeout,
+            run_batches=run_batches,
+            lookahead=accumulate + 1,
+        )
+        hooks = _ParameterServerHooks(self)
+        callbacks: list[Callback] = trainer.callbacks  # type: ignore[attr-defined]
+        callbacks.append(hooks)
+        self._restore.append(lambda: callbacks.remove(hooks))
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if self.runtime is None or trainer is None or trainer.state.stage != RunningStage.TRAINING:
+            return dataloader
+        limit: int | None = None
+        if isinstance(self._limit, int):
+            limit = self._limit
+        elif self._limit != 1.0 and hasattr(dataloader, "__len__"):
+            limit = max(1, int(len(dataloader) * self._limit))
+        runtime = self.runtime
+        return BudgetedLoader(dataloader, lambda: runtime.client, limit=limit)  # type: ignore[arg-type]
+
+    # ------------------------------------------------------------------ the step
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self._asynchronous = self.runtime is not None
+
+    @override
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: pl.LightningModule | torch.nn.Module | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        runtime = self.runtime
+        if runtime is None:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        trainer = self.lightning_module.trainer  # type: ignore[union-attr]
+
+        def push_and_pull(closure: Callable[[], Any] | None = None, **_: Any) -> Any:
+            # the precision plugin's closure: training_step, backward, clipping, hooks
+            loss = closure() if closure is not None else None
+            has_gradient = any(p.grad is not None for p in runtime.parameters)
+            drain = bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
+            runtime.client.step(has_gradient, drain=drain)
+            self._after_exchange(trainer, drained=drain)
+            return loss
+
+        previous = optimizer.__dict__.get("step")
+        optimizer.step = push_and_pull  # type: ignore[method-assign]
+        try:
+            module = model if isinstance(model, pl.LightningModule) else self.lightning_module
+            assert module is not None
+            return self.precision_plugin.optimizer_step(
+                optimizer, model=module, closure=closure, **kwargs
+            )
+        finally:
+            if previous is None:
+                del optimizer.step
+            else:
+                optimizer.step = previous  # type: ignore[method-assign]
+
+    def drain(self, trainer: pl.Trainer) -> None:
+        """End the epoch now if this worker has not drained yet (no gradient sent)."""
+        if self.runtime is not None and self.runtime.client.in_epoch:
+            self.runtime.client.drain()
+            self._after_exchange(trainer, drained=True)
+
+    def _after_exchange(self, trainer: pl.Trainer, drained: bool) -> None:
+        assert self.runtime is not None
+        ledger = process_ledger()
+        ledger.add("parameter_server", self.runtime.take_bytes(), 0.0)
+        for name, value in self.runtime.gauges().items():
+            ledger.set_gauge(name, value)
+        if drained:
+            self._asynchronous = False
+            self._sync_buffers()
+            if self.runtime.client.run_over:
+                trainer.should_stop = True
+
+    def _sync_buffers(self) -> None:
+        # The server trains parameters only; buffers (BatchNorm statistics) follow rank 0's at
+        # every epoch end, as DDP's broadcast_buffers does at every step.
+        assert self.model is not None
+        buffers = [buffer for buffer in self.model.buffers()]
+        if buffers and self.world_size > 1:
+            for buffer in buffers:
+                torch.distributed.broadcast(buffer, src=0)
+
+    # ------------------------------------------------------------------ collectives
+
+    @override
+    def reduce(
+        self, tensor: Tensor, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
+    ) -> Tensor:
+        if self._asynchronous:
+            if not self._warned_sync_dist:
+                self._warned_sync_dist = True
+                rank_zero_warn(
+                    "ParameterServerStrategy: values logged with sync_dist=True during training "
+                    "steps are this worker's own (workers are not in step inside an epoch); "
+                    "epoch-level and validation values are synchronised"
+                )
+            return tensor
+        return super().reduce(tensor, group=group, reduce_op=reduce_op)
+
+    def _forbid_collective(self, name: str) -> None:
+        if self._asynchronous:
+            raise RuntimeError(
+                f"{name} was called inside an asynchronous training epoch of "
+                "ParameterServerStrategy, where workers are not in step (it would hang or mix "
+                "up ranks). Move it to an epoch-end or validation hook"
+            )
+
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        self._forbid_collective("barrier")
+        super().barrier(*args, **kwargs)
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        self._forbid_collective("broadcast")
+        return super().broadcast(obj, src)
+
+    @override
+    def all_gather(
+        self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False
+    ) -> Tensor:
+        self._forbid_collective("all_gather")
+        return super().all_gather(tensor, group=group, sync_grads=sync_grads)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Tensor]:
+        if self.runtime is None:
+            return super().optimizer_state(optimizer)
+        gathered = self.runtime.gather_state()  # every rank calls this while checkpointing
+        if gathered is None:
+            self._server_state = None
+            return super().optimizer_state(optimizer)
+        optimizer_state, self._server_state = gathered
+        return optimizer_state
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None
+    ) -> None:
+        if self._server_state is not None and "optimizer_states" in checkpoint:
+            checkpoint["parameter_server"] = self._server_state
+        self._server_state = None
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    @override
+    def load_checkpoint(
+        self, checkpoint_path: _PATH, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        self._resume_server_state = checkpoint.get("parameter_server")
+        return checkpoint
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        super().load_optimizer_state_dict(checkpoint)
+        if self.runtime is not None:
+            self.runtime.load_state(checkpoint["optimizer_states"][0], self._resume_server_state)
+
+    # ------------------------------------------------------------------ end
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        self._failed = True
+        failure = self.runtime.failure if self.runtime is not None else None
+        if failure is not None and not isinstance(exception, WorkerFailure) and exception.args:
+            rank, reason = failure
+            exception.args = (
+                f"{exception.args[0]}\n[parameter server] worker rank {rank} failed: {reason}",
+                *exception.args[1:],
+            )
+        super().on_exception(exception)
+
+    @override
+    def teardown(self) -> None:
+        self._asynchronous = False
+        runtime, self.runtime = self.runtime, None
+        if runtime is not None:
+            if not self._failed and runtime.failure is None:
+                # the user's optimizer never stepped: give it the server's state, so that
+                # `trainer.optimizers` and later checkpoints hold the trained state
+                gathered = runtime.gather_state()
+                if gathered is not None:
+                    runtime.optimizer.load_state_dict(gathered[0])
+            runtime.close()
+        while self._restore:
+            self._restore.pop()()
+        super().teardown()
+
+
+def _local_sigterm(trainer: pl.Trainer) -> None:
+    if getattr(trainer, "received_sigterm", False):
+        raise SIGTERMException()
+
+
+class _ParameterServerHooks(Callback):
+    """Keep the data iterator in its epoch; drain at the epoch end if the last step did not."""
+
+    def __init__(self, strategy: ParameterServerStrategy) -> None:
+        self.strategy = strategy
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        loop = trainer.fit_loop
+        loader = loop._combined_loader.flattened[0] if loop._combined_loader is not None else None
+        if isinstance(loader, BudgetedLoader) and loader.stale() and loop._data_fetcher is not None:
+            iter(loop._data_fetcher)  # what the fit loop does at every other epoch start
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking:
+            self.strategy.drain(trainer)
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.strategy.drain(trainer)
+
+
+register_strategy(
+    "parameter_server",
+    ParameterServerStrategy,
+    "asynchronous parameter server with staleness control (scaling, softsync, SSP, DC-ASGD)",
+)
+register_strategy(
+    "async_ps",
+    ParameterServerStrategy,
+    "alias of parameter_server: asynchronous SGD on a parameter server",
+)

@@ -1,0 +1,329 @@
+"""Single-process tests of the parameter server's pieces: policies, shard server, budget, layout."""
+
+import math
+
+import pytest
+import torch
+from torch.optim import SGD
+
+from lightning_parallel.parameter_server import (
+    EpochBudget,
+    ShardLayout,
+    ShardServer,
+    UpdatePolicy,
+    WorkerStatus,
+    staleness_scaling,
+)
+from lightning_parallel.parameter_server.protocol import (
+    Reply,
+    ReplyFlag,
+    ReplyKind,
+    Request,
+    RequestFlag,
+    RequestKind,
+)
+
+
+def _server(policy, weights, workers=(0, 1), lr=0.5, budget=None, momentum=0.0):
+    return ShardServer(
+        [weights],
+        lambda params: SGD(params, lr=lr, momentum=momentum),
+        policy,
+        workers,
+        budget=budget,
+    )
+
+
+def _begin(server, worker):
+    (reply,) = server.handle(Request(RequestKind.BEGIN, worker))
+    return reply
+
+
+def _push(server, worker, read_version, gradient, drain=False):
+    flags = RequestFlag.HAS_GRADIENT | (RequestFlag.DRAIN if drain else RequestFlag.NONE)
+    return server.handle(
+        Request(RequestKind.STEP, worker, read_version, flags, gradient=gradient.clone())
+    )
+
+
+# ---------------------------------------------------------------------------- policies
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        ("none", [1.0, 1.0, 1.0, 1.0]),
+        ("inverse", [1.0, 1 / 2, 1 / 3, 1 / 5]),
+        ("sqrt", [1.0, 1 / math.sqrt(2), 1 / math.sqrt(3), 1 / math.sqrt(5)]),
+        ("exp", [1.0, math.exp(-0.5), math.exp(-1.0), math.exp(-2.0)]),
+    ],
+)
+def test_staleness_factors_at_0_1_2_4(name, expected):
+    scaling = staleness_scaling(name)
+    assert [scaling.factor(t) for t in (0, 1, 2, 4)] == pytest.approx(expected, rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"staleness": "linear"}, "staleness must be one of"),
+        ({"softsync": 0}, "softsync must be an integer >= 1"),
+        ({"max_staleness": -1}, "max_staleness must be an integer >= 0"),
+        ({"drop_staleness": 1.5}, "drop_staleness must be an integer"),
+        ({"delay_compensation": -0.1}, "delay_compensation"),
+        ({"staleness": "exp", "staleness_decay": 0.0}, "staleness_decay must be > 0"),
+    ],
+)
+def test_policy_rejects_bad_arguments_with_the_fix(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        UpdatePolicy(**kwargs)
+
+
+def test_policy_reads_inf_and_text_as_unbounded():
+    assert UpdatePolicy(max_staleness="inf").max_staleness is None
+    assert UpdatePolicy(max_staleness=float("inf")).max_staleness is None
+    assert UpdatePolicy(max_staleness=2.0).max_staleness == 2
+
+
+def test_group_size_rules():
+    # fully asynchronous: one gradient at a time
+    assert UpdatePolicy().group_size([0], [0, 0], version=0) == 1
+    # softsync: wait for n, unless nobody is computing any more (flush)
+    assert UpdatePolicy(softsync=2).group_size([0], [0], version=0) == 0
+    assert UpdatePolicy(softsync=2).group_size([0, 0], [0], version=0) == 2
+    assert UpdatePolicy(softsync=3).group_size([0, 0], [], version=0) == 2
+    # SSP s=0: all gradients read at the current version go in one update
+    assert UpdatePolicy(max_staleness=0).group_size([0], [0], version=0) == 0
+    assert UpdatePolicy(max_staleness=0).group_size([0, 0], [], version=0) == 2
+    # SSP s=1: a worker computing on version 0 allows one more update, not two
+    assert UpdatePolicy(max_staleness=1).group_size([0], [0], version=0) == 1
+    assert UpdatePolicy(max_staleness=1).group_size([1], [0], version=1) == 0
+
+
+# ---------------------------------------------------------------------------- hand computations
+
+
+@pytest.mark.parametrize("scaling", ["none", "inverse", "sqrt", "exp"])
+def test_staleness_scaled_update_equals_hand_computation(scaling):
+    """Two workers read w0; A's gradient is applied fresh, B's one update stale."""
+    w0 = torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64)
+    g_a = torch.tensor([0.3, 0.1, -0.2], dtype=torch.float64)
+    g_b = torch.tensor([-0.4, 0.6, 0.9], dtype=torch.float64)
+    lr = 0.5
+    server = _server(UpdatePolicy(staleness=scaling), w0.clone(), lr=lr)
+    _begin(server, 0)
+    _begin(server, 1)
+    (reply_a,) = _push(server, 0, 0, g_a)
+    (reply_b,) = _push(server, 1, 0, g_b)
+    f = staleness_scaling(scaling).factor
+    w1 = w0 - lr * f(0) * g_a
+    w2 = w1 - lr * f(1) * g_b
+    assert (reply_a.staleness, reply_b.staleness) == (0, 1)
+    torch.testing.assert_close(reply_a.weights, w1, rtol=0, atol=1e-15)
+    torch.testing.assert_close(server.weights, w2, rtol=0, atol=1e-15)
+    assert server.version == 2
+
+
+def test_inverse_scaling_with_three_updates_of_staleness():
+    w0 = torch.zeros(2, dtype=torch.float64)
+    server = _server(UpdatePolicy(staleness="inverse"), w0.clone(), workers=(0, 1), lr=1.0)
+    _begin(server, 0)
+    _begin(server, 1)
+    one = torch.ones(2, dtype=torch.float64)
+    for _ in range(3):  # worker 0 moves the server three versions ahead
+        _push(server, 0, server.version, one)
+    (stale,) = _push(server, 1, 0, one)
+    assert stale.staleness == 3
+    # three fresh gradients at η, then one three updates stale at η/(3+1)
+    torch.testing.assert_close(server.weights, -(3 + 1 / 4) * one, rtol=0, atol=1e-15)
+
+
+def test_dc_asgd_update_equals_hand_computation():
+    lam, lr = 0.04, 0.5
+    w0 = torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64)
+    g_a = torch.tensor([0.3, 0.1, -0.2], dtype=torch.float64)
+    g_b = torch.tensor([-0.4, 0.6, 0.9], dtype=torch.float64)
+    server = _server(UpdatePolicy(delay_compensation=lam), w0.clone(), lr=lr)
+    _begin(server, 0)
+    _begin(server, 1)
+    _push(server, 0, 0, g_a)
+    _push(server, 1, 0, g_b)
+    w1 = w0 - lr * g_a  # A: fresh, w_now == w_used, no compensation
+    compensated = g_b + lam * g_b * g_b * (w1 - w0)  # B used w0, the server holds w1
+    w2 = w1 - lr * compensated
+    torch.testing.assert_close(server.weights, w2, rtol=0, atol=1e-15)
+
+
+def test_drop_beyond_bound_keeps_weights_and_counts():
+    w0 = torch.zeros(2, dtype=torch.float64)
+    server = _server(UpdatePolicy(drop_staleness=0), w0.clone(), lr=1.0)
+    _begin(server, 0)
+    _begin(server, 1)
+    _push(server, 0, 0, torch.ones(2, dtype=torch.float64))
+    (reply,) = _push(server, 1, 0, torch.full((2,), 100.0, dtype=torch.float64))
+    assert ReplyFlag.DROPPED in reply.flags and reply.staleness == 1
+    torch.testing.assert_close(server.weights, -torch.ones(2, dtype=torch.float64))
+    assert (server.statistics.applied, server.statistics.dropped, server.version) == (1, 1, 1)
+
+
+def test_softsync_group_is_the_mean_with_one_optimizer_step():
+    w0 = torch.zeros(3, dtype=torch.float64)
+    server = _server(UpdatePolicy(softsync=2), w0.clone(), workers=(0, 1, 2), lr=1.0)
+    for worker in range(3):
+        _begin(server, worker)
+    g = [torch.full((3,), float(k + 1), dtype=torch.float64) for k in range(3)]
+    assert _push(server, 0, 0, g[0]) == []  # waits for a second gradient
+    replies = _push(server, 2, 0, g[2])
+    assert sorted(r.worker for r in replies) == [0, 2]
+    torch.testing.assert_close(server.weights, -(g[0] + g[2]) / 2)
+    assert server.version == 1 and server.statistics.groups == []  # trace is off by default
+
+
+def test_momentum_state_and_learning_rate_mirror():
+    """The shard's optimizer keeps momentum; the hyperparameters come from the template."""
+    template = SGD([torch.zeros(2)], lr=0.1, momentum=0.9)
+    server = ShardServer(
+        [torch.zeros(2)],
+        lambda params: SGD(params, lr=0.1, momentum=0.9),
+        UpdatePolicy(),
+        [0],
+        before_update=lambda opt: opt.param_groups[0].update(lr=template.param_groups[0]["lr"]),
+    )
+    _begin(server, 0)
+    _push(server, 0, 0, torch.ones(2))
+    template.param_groups[0]["lr"] = 1.0  # a scheduler changed the user's learning rate
+    _push(server, 0, 1, torch.ones(2))
+    # step 1: buf = 1, w = -0.1; step 2: buf = 0.9 + 1 = 1.9, w = -0.1 - 1.0 * 1.9
+    torch.testing.assert_close(server.weights, torch.full((2,), -2.0))
+
+
+# ---------------------------------------------------------------------------- drain, failure
+
+
+def test_drain_answers_only_when_every_worker_has_drained():
+    server = _server(UpdatePolicy(), torch.zeros(2), workers=(0, 1, 2), lr=1.0)
+    for worker in range(3):
+        _begin(server, worker)
+    assert _push(server, 0, 0, torch.ones(2), drain=True) == []
+    assert server.handle(Request(RequestKind.STEP, 1, 0, RequestFlag.DRAIN)) == []
+    replies = _push(server, 2, 1, torch.ones(2), drain=True)
+    assert sorted(r.worker for r in replies) == [0, 1, 2]
+    assert all(torch.equal(r.weights, torch.full((2,), -2.0)) for r in replies)
+    assert all(server.status(w) == WorkerStatus.IDLE for w in range(3))
+
+
+def test_softsync_remainder_is_flushed_when_nobody_computes():
+    server = _server(UpdatePolicy(softsync=2), torch.zeros(1), workers=(0, 1), lr=1.0)
+    _begin(server, 0)
+    _begin(server, 1)
+    assert _push(server, 0, 0, torch.ones(1), drain=True) == []
+    replies = server.handle(Request(RequestKind.STEP, 1, 0, RequestFlag.DRAIN))
+    assert sorted(r.worker for r in replies) == [0, 1] and server.version == 1
+
+
+def test_failed_worker_aborts_waiting_and_later_requests():
+    server = _server(UpdatePolicy(max_staleness=0), torch.zeros(1), workers=(0, 1, 2))
+    for worker in range(3):
+        _begin(server, worker)
+    assert _push(server, 0, 0, torch.ones(1)) == []  # waits for workers 1 and 2 (SSP s=0)
+    (abort,) = server.fail(2, "connection closed")
+    assert (abort.worker, abort.kind, abort.failed_rank) == (0, ReplyKind.ABORT, 2)
+    (later,) = _push(server, 1, 0, torch.ones(1))
+    assert later.kind == ReplyKind.ABORT and later.failed_rank == 2
+    assert server.fail(1, "second failure") == []  # the first failure is the one reported
+
+
+def test_state_dict_round_trip():
+    server = _server(UpdatePolicy(), torch.zeros(2), workers=(0,), momentum=0.9)
+    _begin(server, 0)
+    _push(server, 0, 0, torch.ones(2))
+    state = server.state_dict()
+    other = _server(UpdatePolicy(), torch.zeros(2), workers=(0,), momentum=0.9)
+    other.load_state_dict(state)
+    assert other.version == 1 and torch.equal(other.weights, server.weights)
+    _begin(other, 0)
+    _begin(server, 0)
+    _push(server, 0, 1, torch.ones(2))
+    _push(other, 0, 1, torch.ones(2))
+    assert torch.equal(other.weights, server.weights)  # momentum came along
+
+
+def test_wire_headers_round_trip():
+    request = Request(RequestKind.STEP, 3, 17, RequestFlag.HAS_GRADIENT | RequestFlag.DRAIN, 2, 9)
+    decoded = Request.from_header(request.header())
+    assert (decoded.kind, decoded.worker, decoded.read_version, decoded.flags, decoded.want) == (
+        RequestKind.STEP,
+        3,
+        17,
+        RequestFlag.HAS_GRADIENT | RequestFlag.DRAIN,
+        2,
+    )
+    reply = Reply(1, ReplyKind.WEIGHTS, 5, torch.zeros(1), 2, ReplyFlag.EPOCH_OVER, 4, -1)
+    back = Reply.from_header(1, reply.header(), torch.zeros(1))
+    assert (back.version, back.granted, back.flags, back.staleness) == (
+        5,
+        2,
+        ReplyFlag.EPOCH_OVER,
+        4,
+    )
+
+
+# ---------------------------------------------------------------------------- budget, layout
+
+
+def test_epoch_budget_spends_exactly_the_pool():
+    budget = EpochBudget()
+    granted = [budget.begin(0, 5, 2)[0], budget.begin(1, 5, 2)[0]]
+    total = sum(granted)
+    while True:
+        count, flags = budget.grant(0, 1)
+        total += count
+        if ReplyFlag.EPOCH_OVER in flags:
+            break
+    assert total == 10
+    assert budget.grant(1, 3) == (0, ReplyFlag.EPOCH_OVER)
+    budget.close_epoch()
+    assert budget.begin(1, 4, 1)[0] == 1  # a new epoch opens a new pool
+
+
+def test_run_budget_raises_run_over():
+    budget = EpochBudget(run_batches=3)
+    assert budget.begin(0, 10, 2) == (2, ReplyFlag.NONE)
+    count, flags = budget.grant(0, 5)
+    assert count == 1 and ReplyFlag.RUN_OVER in flags and ReplyFlag.EPOCH_OVER in flags
+
+
+def test_restarted_begin_refunds_the_workers_batches():
+    budget = EpochBudget(run_batches=100)
+    budget.begin(0, 4, 2)
+    budget.begin(1, 4, 2)
+    budget.grant(0, 1)  # worker 0 holds 3, worker 1 holds 2, pool 3
+    assert budget.begin(0, 4, 2, restart=True) == (2, ReplyFlag.NONE)  # 3 back, 2 out again
+    assert (budget.pool, budget.granted, budget.run_remaining) == (4, 4, 96)
+
+
+def test_layout_cuts_whole_parameters_evenly():
+    shapes = [torch.Size([6]), torch.Size([2]), torch.Size([3]), torch.Size([5])]
+    layout = ShardLayout.balanced(shapes, 2)
+    assert layout.bounds == ((0, 2), (2, 4))
+    assert layout.elements_of(0) == (0, 8) and layout.elements_of(1) == (8, 16)
+    assert ShardLayout.balanced(shapes, 4).bounds == ((0, 1), (1, 2), (2, 3), (3, 4))
+    with pytest.raises(ValueError, match="use shards <= 4"):
+        ShardLayout.balanced(shapes, 5)
+
+
+def test_empty_pool_takes_back_unstarted_batches_for_others():
+    budget = EpochBudget()
+    budget.begin(0, 2, 2)  # the straggler reserves both of its batches
+    budget.begin(1, 2, 2)  # pool empty now
+    count, flags = budget.grant(0, 1, held=1)  # the straggler still holds one
+    assert count == -1 and ReplyFlag.EPOCH_OVER not in flags
+    assert budget.grant(1, 1, held=0) == (1, ReplyFlag.EPOCH_OVER)  # the fast one takes it
+    assert budget.granted == 4  # still exactly the epoch's batches
+
+
+def test_unshared_budget_gives_each_worker_exactly_its_own_batches():
+    budget = EpochBudget(share=False)  # synchronous training: each worker its own share, as DDP
+    assert budget.begin(0, 3, 2)[0] == 2 and budget.begin(1, 3, 2)[0] == 2
+    assert budget.grant(0, 2, held=0) == (1, ReplyFlag.EPOCH_OVER)  # not worker 1's batches
+    assert budget.grant(1, 2, held=0) == (1, ReplyFlag.EPOCH_OVER)

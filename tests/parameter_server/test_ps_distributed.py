@@ -1,0 +1,226 @@
+"""The parameter server on real gloo processes: equivalence, SSP bound, budget, faults."""
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+from helpers.distributed import run_distributed
+from torch import nn
+
+from lightning_parallel.parameter_server import ParameterServerRuntime, UpdatePolicy
+from lightning_parallel.parameter_server.data import BudgetedLoader
+
+_DIM, _OUT, _BATCH = 6, 3, 8
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(_DIM, 5), nn.Tanh(), nn.Linear(5, _OUT))
+
+
+def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1000 * rank + step)
+    return torch.randn(_BATCH, _DIM, generator=generator), torch.randint(
+        0, _OUT, (_BATCH,), generator=generator
+    )
+
+
+def _train(
+    rank, world, policy, steps, shards=1, delay=None, keep_trace=False, timeout=30.0, on_step=None
+):
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+    runtime = ParameterServerRuntime(
+        optimizer, policy, shards=shards, timeout=timeout, keep_trace=keep_trace
+    )
+    runtime.client.begin_epoch(steps)
+    for step in range(steps):
+        if on_step is not None:
+            on_step(rank, step)
+        optimizer.zero_grad()
+        x, y = _batch(rank, step)
+        nn.functional.cross_entropy(model(x), y).backward()
+        if delay is not None:
+            time.sleep(delay(rank))
+        runtime.client.step(True, drain=step == steps - 1)
+    gathered = runtime.gather_state()
+    trace = [host.server.statistics.trace for host in runtime.local_hosts.values()]
+    runtime.close()
+    weights = [p.detach().clone() for p in model.parameters()]
+    return weights, gathered, trace
+
+
+def _synchronous_reference(world, steps):
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+    for step in range(steps):
+        optimizer.zero_grad()
+        for rank in range(world):
+            x, y = _batch(rank, step)
+            (nn.functional.cross_entropy(model(x), y) / world).backward()
+        optimizer.step()
+    return model, optimizer
+
+
+@pytest.mark.parametrize("shards", [1, 2])
+def test_max_staleness_zero_equals_synchronous_training(shards):
+    world, steps = 3, 6
+
+    def fn(rank, world):
+        # rank 1 is slow: without the SSP bound its gradients would be stale
+        return _train(
+            rank,
+            world,
+            UpdatePolicy(max_staleness=0),
+            steps,
+            shards=shards,
+            delay=lambda r: 0.02 if r == 1 else 0.0,
+        )
+
+    results = run_distributed(fn, world, timeout=90)
+    reference, reference_optimizer = _synchronous_reference(world, steps)
+    for weights, _, _ in results:  # every worker ends the epoch with the same weights
+        for got, want in zip(weights, reference.parameters()):
+            torch.testing.assert_close(got, want.detach(), rtol=0, atol=1e-6)
+    optimizer_state, server_state = results[0][1]
+    assert server_state["versions"] == [steps] * shards
+    expected = reference_optimizer.state_dict()
+    assert optimizer_state["param_groups"] == expected["param_groups"]
+    for index, values in expected["state"].items():
+        torch.testing.assert_close(
+            optimizer_state["state"][index]["momentum_buffer"],
+            values["momentum_buffer"],
+            rtol=0,
+            atol=1e-6,
+        )
+
+
+def test_ssp_bound_holds_with_a_straggler():
+    world, steps, bound = 3, 12, 2
+
+    def fn(rank, world):
+        return _train(
+            rank,
+            world,
+            UpdatePolicy(max_staleness=bound),
+            steps,
+            keep_trace=True,
+            delay=lambda r: 0.03 if r == 2 else 0.0,
+        )
+
+    results = run_distributed(fn, world, timeout=90)
+    (trace,) = results[0][2]
+    staleness = [s for _, s in trace]
+    assert len(staleness) == world * steps
+    assert max(staleness) <= bound
+    assert max(staleness) > 0  # the straggler made it asynchronous
+
+
+def test_unbounded_run_is_stale_and_budget_favours_fast_workers():
+    world, batches = 3, 8
+
+    def fn(rank, world):
+        model = _model()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        runtime = ParameterServerRuntime(
+            optimizer, UpdatePolicy(staleness="inverse"), keep_trace=True
+        )
+        loader = BudgetedLoader([_batch(rank, i) for i in range(batches)], lambda: runtime.client)
+        counts = []
+        for _ in range(2):  # two epochs
+            iterator, taken = iter(loader), 0
+            batch = next(iterator)
+            while batch is not None:
+                following = next(iterator, None)  # prefetch one, as Lightning does
+                optimizer.zero_grad()
+                nn.functional.cross_entropy(model(batch[0]), batch[1]).backward()
+                if rank == 2:
+                    time.sleep(0.04)
+                runtime.client.step(True, drain=following is None)
+                taken += 1
+                batch = following
+            counts.append(taken)
+        trace = [host.server.statistics.trace for host in runtime.local_hosts.values()]
+        runtime.close()
+        return counts, trace
+
+    results = run_distributed(fn, world, timeout=90)
+    counts = [r[0] for r in results]
+    for epoch in range(2):
+        per_rank = [c[epoch] for c in counts]
+        assert sum(per_rank) == world * batches  # the epoch is exactly the pool
+        assert per_rank[2] < batches < max(per_rank[:2])  # the straggler took less
+    (trace,) = results[0][1]
+    assert max(s for _, s in trace) >= 2
+
+
+def test_server_threads_and_default_group_collectives_do_not_interfere():
+    """Server threads answer on their own group while the main threads allreduce on Lightning's."""
+    world, steps = 3, 15
+
+    def fn(rank, world):
+        sums = []
+
+        def collective(rank, step):
+            value = torch.tensor([float(rank + step)])
+            torch.distributed.all_reduce(value)  # the default group, from the main thread
+            sums.append(value.item())
+
+        _train(rank, world, UpdatePolicy(), steps, on_step=collective, delay=lambda r: 0.01 * r)
+        return sums
+
+    results = run_distributed(fn, world, timeout=90)
+    expected = [float(sum(range(world)) + world * step) for step in range(steps)]
+    assert all(sums == expected for sums in results)
+
+
+@pytest.mark.parametrize(
+    "policy", [UpdatePolicy(), UpdatePolicy(max_staleness=0)], ids=["async", "ssp0"]
+)
+def test_killed_worker_stops_the_others_naming_it(policy):
+    def fn(rank, world):
+        def die(rank, step):
+            if rank == 2 and step == 3:
+                os._exit(1)
+
+        _train(rank, world, policy, 200, on_step=die, timeout=20.0)
+
+    start = time.monotonic()
+    with pytest.raises(RuntimeError) as raised:
+        run_distributed(fn, 3, timeout=60)
+    assert time.monotonic() - start < 45  # far from the harness timeout: no hang
+    assert "WorkerFailure" in str(raised.value)
+    assert "worker rank 2 failed" in str(raised.value)
+
+
+def test_frozen_worker_is_detected_by_its_silent_heartbeat():
+    def fn(rank, world):
+        def freeze(rank, step):
+            if rank == 1 and step == 2:
+                os.kill(os.getpid(), signal.SIGSTOP)
+
+        _train(rank, world, UpdatePolicy(max_staleness=0), 100, on_step=freeze, timeout=2.0)
+
+    start = time.monotonic()
+    with pytest.raises(RuntimeError) as raised:
+        run_distributed(fn, 3, timeout=60)
+    assert time.monotonic() - start < 40
+    assert "worker rank 1 failed" in str(raised.value)
+    assert "no heartbeat" in str(raised.value)
+
+
+def test_dead_server_host_is_named_by_the_workers():
+    def fn(rank, world):
+        def die(rank, step):
+            if rank == 0 and step == 3:
+                os._exit(1)
+
+        _train(rank, world, UpdatePolicy(), 200, on_step=die)
+
+    with pytest.raises(RuntimeError) as raised:
+        run_distributed(fn, 2, timeout=60)
+    assert "shard 0 on rank 0" in str(raised.value) and "rank 0 failed or is unreachable" in str(
+        raised.value
+    )

@@ -1,0 +1,297 @@
+"""ParameterServerStrategy inside real Lightning fits (fork launcher, 2 processes on gloo)."""
+
+import json
+import os
+import time
+
+import pytest
+import torch
+from helpers.distributed import run_distributed
+from pytorch_lightning import Callback, LightningModule, Trainer
+from pytorch_lightning.callbacks import ModelCheckpoint
+from pytorch_lightning.strategies import DDPStrategy, StrategyRegistry
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_parallel.callbacks import CommStats
+from lightning_parallel.comm.ledger import process_ledger
+from lightning_parallel.strategies.parameter_server import ParameterServerStrategy
+
+
+class _Tiny(LightningModule):
+    def __init__(self, samples: int = 64) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.samples = samples
+        self.layers = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
+
+    def forward(self, x):
+        return self.layers(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.cross_entropy(self(x), y)
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", nn.functional.cross_entropy(self(x), y), sync_dist=True)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+    def _data(self, seed):
+        generator = torch.Generator().manual_seed(seed)
+        x = torch.randn(self.samples, 8, generator=generator)
+        return TensorDataset(x, (x[:, 0] > 0).long() + (x[:, 1] > 0).long())
+
+    def train_dataloader(self):
+        return DataLoader(self._data(1), batch_size=8)
+
+    def val_dataloader(self):
+        return DataLoader(self._data(2), batch_size=8)
+
+
+class _Record(Callback):
+    """Each rank writes what it did: batches, gauges, bytes; rank 1 may be slowed down."""
+
+    def __init__(self, directory, stats, slow_rank=None, delay=0.0):
+        self.directory, self.stats, self.slow_rank, self.delay = directory, stats, slow_rank, delay
+        self.batches = 0
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.batches += 1
+        if trainer.global_rank == self.slow_rank:
+            time.sleep(self.delay)
+
+    def on_train_end(self, trainer, pl_module):
+        record = {
+            "batches": self.batches,
+            "bytes": self.stats.totals.bytes_sent,
+            "gauges": dict(process_ledger().gauges),
+        }
+        (self.directory / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
+
+
+def _trainer(strategy, epochs=2, callbacks=(), checkpoint_dir=None, devices=2, **kwargs):
+    return Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_epochs=epochs,
+        callbacks=list(callbacks),
+        logger=False,
+        enable_checkpointing=checkpoint_dir is not None,
+        default_root_dir=checkpoint_dir,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        **kwargs,
+    )
+
+
+def _vector(model):
+    return torch.nn.utils.parameters_to_vector(model.parameters()).detach()
+
+
+def test_fit_shares_the_epoch_and_reports_telemetry(tmp_path):
+    stats = CommStats(log=False)
+    record = _Record(tmp_path, stats, slow_rank=1, delay=0.05)
+    model = _Tiny(samples=128)
+    before = _vector(model).clone()
+    trainer = _trainer(
+        ParameterServerStrategy(staleness="inverse", start_method="fork"), callbacks=[stats, record]
+    )
+    trainer.fit(model)
+    assert not torch.equal(_vector(model), before)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    batches = [r["batches"] for r in ranks]
+    assert sum(batches) == 2 * 16  # 2 epochs of 128 samples in batches of 8, shared
+    assert batches[0] > batches[1]  # the fast worker took more of the epoch
+    gauges = ranks[0]["gauges"]  # rank 0 hosts the server
+    assert gauges["ps_applied"] == 32 and gauges["ps_updates"] == 32
+    assert sum(v for k, v in gauges.items() if k.startswith("staleness_hist_")) == 32
+    assert gauges["staleness_mean"] > 0
+    assert ranks[1]["bytes"] > 0 and ranks[0]["bytes"] > 0  # gradients out, weights back
+    assert "ps_wait_s" in ranks[1]["gauges"]
+
+
+class _Slow(Callback):
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_rank == 1:
+            time.sleep(0.02)
+
+
+def test_max_staleness_zero_equals_ddp_with_a_straggler():
+    synchronous = _Tiny(samples=72)
+    _trainer(
+        ParameterServerStrategy(max_staleness=0, start_method="fork"),
+        devices=3,
+        callbacks=[_Slow()],
+    ).fit(synchronous)
+    reference = _Tiny(samples=72)
+    _trainer(DDPStrategy(start_method="fork"), devices=3).fit(reference)
+    torch.testing.assert_close(_vector(synchronous), _vector(reference), rtol=0, atol=1e-6)
+
+
+def test_checkpoint_resume_is_exact_and_loads_elsewhere(tmp_path):
+    straight = _Tiny()
+    _trainer(ParameterServerStrategy(max_staleness=0, start_method="fork"), epochs=2).fit(straight)
+
+    first = _Tiny()
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    _trainer(
+        ParameterServerStrategy(max_staleness=0, start_method="fork"),
+        epochs=1,
+        callbacks=[checkpoint],
+        checkpoint_dir=tmp_path,
+    ).fit(first)
+    path = tmp_path / "last.ckpt"
+    saved = torch.load(path, weights_only=False)
+    assert saved["parameter_server"]["versions"] == [4]  # 4 synchronous updates per epoch
+    assert all("momentum_buffer" in s for s in saved["optimizer_states"][0]["state"].values())
+
+    resumed = _Tiny()
+    _trainer(
+        ParameterServerStrategy(max_staleness=0, start_method="fork"),
+        epochs=2,
+        checkpoint_dir=tmp_path,
+    ).fit(resumed, ckpt_path=path)
+    torch.testing.assert_close(_vector(resumed), _vector(straight), rtol=0, atol=1e-7)
+
+    under_ddp = _Tiny()
+    _trainer(DDPStrategy(start_method="fork"), epochs=2).fit(under_ddp, ckpt_path=path)
+    torch.testing.assert_close(_vector(under_ddp), _vector(straight), rtol=0, atol=1e-6)
+
+    one_device = _Tiny()
+    Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    ).fit(one_device, ckpt_path=path)
+    torch.testing.assert_close(_vector(one_device), _vector(first), rtol=0, atol=0)
+
+
+def test_bench_specs_build_from_the_registry():
+    for name in ("parameter_server", "async_ps"):
+        entry = StrategyRegistry[name]
+        assert entry["strategy"] is ParameterServerStrategy
+    build = StrategyRegistry["parameter_server"]
+    specs = {"staleness": "inverse"}, {"softsync": 2}, {"max_staleness": 2}, {"dc": 0.04}
+    policies = [build["strategy"](**{**build["init_params"], **spec}).policy for spec in specs]
+    assert policies[0].staleness == "inverse" and policies[1].softsync == 2
+    assert policies[2].max_staleness == 2 and policies[3].delay_compensation == 0.04
+    assert ParameterServerStrategy.reports_communication is True
+
+
+def test_bad_arguments_name_the_fix():
+    with pytest.raises(ValueError, match="staleness must be one of"):
+        ParameterServerStrategy(staleness="linear")
+    with pytest.raises(ValueError, match="shards must be an integer >= 1"):
+        ParameterServerStrategy(shards=0)
+    with pytest.raises(ValueError, match="start_method must be one of"):
+        ParameterServerStrategy(start_method="thread")
+
+
+def test_mid_epoch_validation_is_refused():
+    with pytest.raises(Exception, match="validates at epoch ends only"):
+        _trainer(ParameterServerStrategy(start_method="fork"), val_check_interval=0.5).fit(_Tiny())
+
+
+def test_killed_worker_stops_lightning_ranks_naming_it(tmp_path):
+    """Processes started outside Lightning (as the benchmark does); rank 2 dies mid-epoch."""
+
+    class Die(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_rank == 2 and batch_idx == 2:
+                os._exit(1)
+
+    def fn(rank, world):
+        os.environ.update(LOCAL_RANK="0", NODE_RANK=str(rank))  # one process per "host"
+        trainer = Trainer(
+            accelerator="cpu",
+            devices=1,
+            num_nodes=world,
+            strategy=ParameterServerStrategy(timeout=10.0),
+            max_epochs=50,
+            callbacks=[Die()],
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            num_sanity_val_steps=0,
+            default_root_dir=tmp_path,
+        )
+        trainer.fit(_Tiny(samples=512))
+
+    start = time.monotonic()
+    with pytest.raises(RuntimeError) as raised:
+        run_distributed(fn, 3, timeout=90)
+    assert time.monotonic() - start < 60
+    assert "worker rank 2 failed" in str(raised.value)
+
+
+def test_one_process_trains_like_plain_sgd():
+    """One worker and its in-process server: every gradient is fresh, so it is plain SGD.
+
+    The fit runs in a child process of its own, so it leaves no process group, store or rank
+    variables behind in the test session.
+    """
+
+    def fn(rank, world):
+        settings = dict(
+            accelerator="cpu",
+            devices=1,
+            max_epochs=2,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            num_sanity_val_steps=0,
+            use_distributed_sampler=False,
+        )  # the same batch order for both
+        served = _Tiny()
+        Trainer(strategy=ParameterServerStrategy(), **settings).fit(served)
+        torch.distributed.destroy_process_group()
+        plain = _Tiny()
+        Trainer(**settings).fit(plain)
+        return _vector(served), _vector(plain)
+
+    [(served, plain)] = run_distributed(fn, 1, timeout=90, init_group=False)
+    assert not torch.equal(served, _vector(_Tiny()))
+    torch.testing.assert_close(served, plain, rtol=0, atol=1e-6)
+
+
+def test_limits_are_global_batch_budgets(tmp_path):
+    """limit_train_batches caps each rank's share of the pool; max_steps the whole run's."""
+    stats = CommStats(log=False)
+    _trainer(
+        ParameterServerStrategy(start_method="fork"),
+        epochs=2,
+        limit_train_batches=3,
+        callbacks=[stats, _Record(tmp_path, stats)],
+    ).fit(_Tiny(samples=128))
+    batches = [json.loads((tmp_path / f"rank{r}.json").read_text())["batches"] for r in range(2)]
+    assert sum(batches) == 2 * 2 * 3  # 2 epochs x 2 ranks x 3 batches
+
+    stats = CommStats(log=False)
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=ParameterServerStrategy(start_method="fork"),
+        max_steps=5,
+        callbacks=[stats, _Record(tmp_path, stats)],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    trainer.fit(_Tiny(samples=128))
+    batches = [json.loads((tmp_path / f"rank{r}.json").read_text())["batches"] for r in range(2)]
+    assert sum(batches) == 5 * 2  # max_steps x world size, however the ranks shared it
