@@ -7,7 +7,7 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -43,6 +43,20 @@ class _Round:
     num_parameters: int  # the first entries of snapshot are parameters
     started_at: int  # optimizer steps counted when the round started
     blocked_seconds: float = 0.0  # time training waited for this round so far
+    parameter_means: list[Tensor] | None = None  # set when ``parameter_mean`` averaged them
+
+
+class ParameterMean(Protocol):
+    """Averages the replicas' parameters by a route of its own (e.g. a compressed delta).
+
+    ``reset(start)`` is called with the agreed parameters when local training begins;
+    ``__call__(local)`` is collective and returns the mean of every rank's ``local`` (new
+    tensors, identical on every rank).
+    """
+
+    def reset(self, start: Sequence[Tensor]) -> None: ...
+
+    def __call__(self, local: Sequence[Tensor]) -> list[Tensor]: ...
 
 
 class ReplicaAveraging:
@@ -124,6 +138,9 @@ class ReplicaAveraging:
         # Whether every replica (parameters and round buffers) is known to be identical, so
         # that their mean is the live model and evaluating or saving it needs no communication.
         self._in_consensus = False
+        # Set by a compressor (``HyloCompression``) to average the parameters' round deltas
+        # itself; buffers and optimizer state still go through ``reduction``.
+        self.parameter_mean: ParameterMean | None = None
 
     # ------------------------------------------------------------------ schedule
 
@@ -167,6 +184,8 @@ class ReplicaAveraging:
         if not self.averager.started and not self.schedule.in_warmup:
             start = [parameter.detach() for parameter in trainable_parameters(self.module)]
             self.averager.reset(start, self.world_size)
+            if self.parameter_mean is not None:
+                self.parameter_mean.reset(start)
         if self._round_due:
             self._round_due = False
             self._start_round()
@@ -255,14 +274,19 @@ class ReplicaAveraging:
         tensors, num_parameters = self._round_tensors()
         # Blocking rounds apply before anything moves, so the live tensors are the snapshot.
         snapshot = [t.detach().clone() if self.overlap else t.detach() for t in tensors]
-        layout = FlatLayout(snapshot)
-        sums = layout.pack(snapshot)
+        reduced, parameter_means = snapshot, None
+        start = time.perf_counter()
+        if self.parameter_mean is not None and self.world_size > 1:
+            # the parameters take their own (blocking) route; the rest the reduction
+            parameter_means = self.parameter_mean(snapshot[:num_parameters])
+            reduced = snapshot[num_parameters:]
+        layout = FlatLayout(reduced)
+        sums = layout.pack(reduced)
         self.schedule.mark_round()
         self.ledger.set_gauge("rounds", self.schedule.rounds)
         self.ledger.set_gauge("bytes_per_round", self.reduction.bytes_sent(layout.nbytes(sums)))
         work = None
-        start = time.perf_counter()
-        if self.world_size > 1:
+        if self.world_size > 1 and sums:
             work = self.reduction.all_reduce(sums, async_op=self.overlap)
         self._round = _Round(
             snapshot,
@@ -272,6 +296,7 @@ class ReplicaAveraging:
             num_parameters,
             self.schedule.optimizer_steps,
             blocked_seconds=time.perf_counter() - start,
+            parameter_means=parameter_means,
         )
         if not self.overlap:
             self._finish_round()
@@ -290,6 +315,8 @@ class ReplicaAveraging:
             for buffer in current.sums:
                 buffer.div_(self.world_size)
             mean = current.layout.unpack(current.sums)
+            if current.parameter_means is not None:
+                mean = current.parameter_means + mean
             count = current.num_parameters
             local_parameters = current.snapshot[:count]
             mean_parameters = mean[:count]

@@ -74,16 +74,24 @@ def _make_probe(interface: str | None) -> Any:
             self.tx_start: int | None = None
             self.tx_end: int | None = None
             self._batch_start = 0.0
+            self._previous_end: float | None = None
             self._validation_start = 0.0
 
         def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
             self.tx_start = _tx_bytes(interface)
             self.train_start = time.perf_counter()
 
+        def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            self._previous_end = None
+
         def on_train_batch_start(
             self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
         ) -> None:
-            self._batch_start = time.perf_counter()
+            # A step runs from the previous step's end: what Lightning does between two
+            # batches (fetching, its per-batch collectives, where DDP waits for a straggler)
+            # is part of the step. The first step of an epoch starts here.
+            now = time.perf_counter()
+            self._batch_start = self._previous_end if self._previous_end is not None else now
 
         def on_train_batch_end(
             self,
@@ -93,12 +101,14 @@ def _make_probe(interface: str | None) -> Any:
             batch: Any,
             batch_idx: int,
         ) -> None:
-            self.step_seconds.append(time.perf_counter() - self._batch_start)
+            self._previous_end = time.perf_counter()
+            self.step_seconds.append(self._previous_end - self._batch_start)
             first = batch[0] if isinstance(batch, (list, tuple)) else batch
             self.samples += len(first)
 
         def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
             self._validation_start = time.perf_counter()
+            self._previous_end = None  # validation is not part of the next step
 
         def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
             if trainer.sanity_checking:

@@ -7,8 +7,10 @@ does not go through that path: once the strategy has wrapped the model in
 gloo and NCCL alike, under ``ddp``, ``ddp_spawn``, ``ddp_fork`` and every DDP subclass.
 
 Supported: every strategy whose ``trainer.strategy.model`` is a ``DistributedDataParallel``
-module with no other communication hook. Not supported (a clear error): single-device runs,
-FSDP, DeepSpeed, strategies that already registered a hook.
+module with no other communication hook, and model averaging (``model_averaging``,
+``local_sgd``, ``bmuf``, ``easgd``, ``diloco``), where each round's model delta is compressed
+instead (:class:`~lightning_parallel.compression.delta.CompressedDeltaMean`). Not supported (a
+clear error): single-device runs, FSDP, DeepSpeed, strategies that already registered a hook.
 
 Example::
 
@@ -27,8 +29,11 @@ from pytorch_lightning.callbacks import Callback
 from pytorch_lightning.utilities.rank_zero import rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 
+from lightning_parallel.averaging.policies import trainable_parameters
+from lightning_parallel.averaging.replicas import ReplicaAveraging
 from lightning_parallel.comm.ledger import process_ledger
 from lightning_parallel.compression import CostModel, HyloHook, HyloPolicy
+from lightning_parallel.compression.delta import CompressedDeltaMean
 from lightning_parallel.compression.exchange import TWO_BIT_EXCHANGES
 
 __all__: list[str] = []
@@ -135,7 +140,9 @@ class HyloCompression(Callback):
         self.seed = seed
         self.overlap = overlap
         self.hook: HyloHook | None = None
+        self.delta_mean: CompressedDeltaMean | None = None
         self._pending_state: dict[str, Any] | None = None
+        self._pending_anchor: dict[str, Any] | None = None
 
     @property
     def state_key(self) -> str:
@@ -155,32 +162,50 @@ class HyloCompression(Callback):
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         ddp = trainer.strategy.model
-        if not isinstance(ddp, DistributedDataParallel):
+        averaging = getattr(trainer.strategy, "averaging", None)
+        if isinstance(averaging, ReplicaAveraging):
+            module: torch.nn.Module = pl_module
+            group = None
+        elif isinstance(ddp, DistributedDataParallel):
+            module, group = ddp.module, ddp.process_group
+        else:
             raise RuntimeError(
-                "HyloCompression compresses DistributedDataParallel gradients, but the strategy "
-                f"{type(trainer.strategy).__name__} did not wrap the model in DDP: use "
-                'strategy="ddp" (or "ddp_spawn", "hylo", any DDP-based strategy) with at least '
-                "2 processes, or remove the callback"
+                "HyloCompression compresses DistributedDataParallel gradients or model-averaging "
+                f"rounds, but the strategy {type(trainer.strategy).__name__} does neither: use "
+                'strategy="ddp" (or "ddp_spawn", "hylo", any DDP-based strategy, or a model-'
+                "averaging strategy) with at least 2 processes, or remove the callback"
             )
         previous = self.hook.state_dict() if self.hook is not None else None
         bandwidth = self.bandwidth / 8.0 if self.bandwidth is not None else None
         self.hook = HyloHook(
-            ddp.module.named_parameters(),
+            module.named_parameters(),
             self.policy,
             warmup_steps=self.warmup_steps,
             two_bit_exchange=self.exchange,
             cost_model=CostModel(bandwidth) if self.use_cost_model else None,
             calibration_steps=self.calibration_steps,
-            process_group=ddp.process_group,
+            process_group=group,
             seed=self.seed,
             overlap=self.overlap,
         )
         if self._pending_state is not None:
+            self._pending_anchor = self._pending_state.get("delta_anchor")
             self._restore(self._pending_state, trainer.strategy.root_device)
             self._pending_state = None
         elif previous is not None:  # a second fit with the same callback continues the state
             self.hook.load_state_dict(previous, trainer.strategy.root_device)
-        self.hook.register(ddp)
+        if isinstance(averaging, ReplicaAveraging):
+            anchor = self.delta_mean.state_dict() if self.delta_mean is not None else None
+            self.delta_mean = CompressedDeltaMean(self.hook, trainable_parameters(pl_module))
+            if self._pending_anchor is not None:
+                self.delta_mean.load_state_dict(self._pending_anchor, trainer.strategy.root_device)
+                self._pending_anchor = None
+            elif anchor is not None:
+                self.delta_mean.load_state_dict(anchor, trainer.strategy.root_device)
+            averaging.parameter_mean = self.delta_mean
+        else:
+            assert isinstance(ddp, DistributedDataParallel)
+            self.hook.register(ddp)
 
     # -- telemetry ------------------------------------------------------------------------
 
@@ -216,11 +241,12 @@ class HyloCompression(Callback):
         if self.hook is None:
             return dict(self._pending_state or {})
         local = self.hook.state_dict()
+        extra = {"delta_anchor": self.delta_mean.state_dict()} if self.delta_mean else {}
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-            return {"world_size": 1, "ranks": [local]}
+            return {"world_size": 1, "ranks": [local], **extra}
         states: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(states, local)
-        return {"world_size": len(states), "ranks": states}
+        return {"world_size": len(states), "ranks": states, **extra}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Keep the state until the hook exists (Lightning restores callbacks before DDP)."""

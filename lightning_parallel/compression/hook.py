@@ -157,6 +157,17 @@ class HyloHook:
         self._background().submit(lambda: self._complete(future, buffer, params, is_last))
         return future
 
+    def average_flat(self, buffer: Tensor, params: list[Tensor]) -> None:
+        """Average ``buffer`` across ranks in place, as one bucket holding ``params``' values.
+
+        ``buffer`` is flat, the values of ``params`` one after the other (as in a DDP bucket);
+        it is averaged with the same routes, residuals and warm-up as the gradients, blocking.
+        This is how model averaging exchanges a round's model delta through Hylo.
+        """
+        self._seed_codecs()
+        self.calls += 1
+        self._average(buffer, params, is_last=True, blocking=True).wait()
+
     def _complete(
         self,
         future: torch.futures.Future[Tensor],
