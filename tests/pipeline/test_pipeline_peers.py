@@ -70,3 +70,19 @@ def test_deepspeed_pipeline_engine_peer() -> None:
     torch.testing.assert_close(
         run.callback_metrics["val_loss"], reference.trainer.callback_metrics["val_loss"]
     )
+
+
+def test_torchgpipe_peer_replicas_match_single_device() -> None:
+    """torchgpipe pipelines each process's batch over 2 partitions; 2 replicas = batch 2B."""
+    pytest.importorskip("torchgpipe")
+    reference = Net()
+    trainer("auto", 1).fit(reference, loader(2 * BATCH, shuffled=True))
+    model = Net()
+    strategy = build_strategy("torchgpipe:stages=2,micro_batches=4,start_method=fork")
+    run = trainer(strategy, 2)
+    run.fit(model, loader(BATCH))
+    assert_same_weights(reference, model)
+    assert run.callback_metrics["torchgpipe/partitions"].item() == 2
+    # each rank pipelines its half of the batches, for 2 epochs
+    assert run.callback_metrics["torchgpipe/pipelined_batches"].item() == len(loader(BATCH))
+    assert "forward" not in vars(model.layers)  # the model is handed back unchanged
