@@ -136,6 +136,11 @@ class UpdatePolicy:
         softsync: n of n-softsync: each update averages n gradients (default 1: apply each on
             arrival; larger => closer to synchronous). Zhang et al.'s "n-softsync" with λ
             learners waits for ⌊λ/n⌋ gradients, so their n corresponds to ``softsync=λ//n``.
+        softsync_wait: whether a worker whose gradient waits for its group also waits for its
+            reply (default ``False``: as in Zhang et al., a learner pushes its gradient and
+            pulls the current weights at once, and its gradient joins the next group; ``True``:
+            it resumes only with the weights its group produced). Only with ``softsync > 1``
+            and no ``max_staleness`` (SSP decides the waits itself).
         max_staleness: SSP bound s: no gradient is applied with staleness above s; a worker
             whose gradient would break the bound waits (default ``None``: unbounded, fully
             asynchronous; ``0``: synchronous SGD, every update averages one gradient per worker).
@@ -150,6 +155,7 @@ class UpdatePolicy:
     staleness_decay: float = 0.5
     drop_staleness: int | None = None
     softsync: int = 1
+    softsync_wait: bool = False
     max_staleness: int | None = None
     delay_compensation: float = 0.0
     scaling: StalenessScaling = field(init=False, repr=False, compare=False)
@@ -173,6 +179,11 @@ class UpdatePolicy:
                 f"{self.delay_compensation!r}; the paper uses about 0.04"
             )
         object.__setattr__(self, "delay_compensation", compensation)
+
+    @property
+    def answers_before_update(self) -> bool:
+        """Whether a pushed gradient is answered with the current weights before it is applied."""
+        return self.softsync > 1 and self.max_staleness is None and not self.softsync_wait
 
     def factor(self, staleness: int) -> float:
         """Learning-rate multiplier of a gradient of ``staleness``."""

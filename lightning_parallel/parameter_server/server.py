@@ -93,6 +93,8 @@ class _Pending:
     read_version: int
     gradient: Tensor
     drain: bool
+    weights_read: Tensor | None = None  # the weights the gradient was computed on (DC-ASGD)
+    answered: bool = False  # its worker already got weights back (n-softsync, no waiting)
 
 
 class ShardServer:
@@ -199,12 +201,26 @@ class ShardServer:
         if RequestFlag.HAS_GRADIENT in request.flags:
             if request.gradient is None or request.gradient.numel() != self.weights.numel():
                 raise ValueError(f"worker rank {request.worker} sent a gradient of the wrong size")
-            self._pending.append(
-                _Pending(request.worker, worker.read_version, request.gradient, drain)
+            pending = _Pending(
+                request.worker, worker.read_version, request.gradient, drain, worker.weights_read
             )
+            self._pending.append(pending)
             worker.status = WorkerStatus.DRAIN_PENDING if drain else WorkerStatus.WAITING
             worker.waiting_since = self._clock()
-            return self._progress()
+            replies = self._progress()
+            if (
+                self.policy.answers_before_update
+                and not drain
+                and worker.status == WorkerStatus.WAITING
+                and any(p is pending for p in self._pending)
+            ):
+                # n-softsync: the worker does not wait for its group; its gradient does (a copy:
+                # the worker's receive buffer is reused for its next gradient)
+                pending.gradient = pending.gradient.clone()
+                pending.answered = True
+                granted, flags = self._grant(request.worker, worker.want, worker.held)
+                replies.append(self._read(request.worker, granted, flags))
+            return replies
         worker.staleness, worker.dropped = -1, False
         if drain:
             worker.status = WorkerStatus.DRAINING
@@ -257,6 +273,8 @@ class ShardServer:
             self._apply(group)
             for pending in group:
                 worker = self._workers[pending.worker]
+                if pending.answered:
+                    continue  # its worker got weights back when it pushed
                 if worker.status not in (WorkerStatus.WAITING, WorkerStatus.DRAIN_PENDING):
                     continue  # it failed or left meanwhile
                 self._add_held(pending.worker)
@@ -282,8 +300,8 @@ class ShardServer:
                 continue
             worker.dropped = False
             gradient = pending.gradient
-            if self.policy.delay_compensation and worker.weights_read is not None:
-                gradient = self.policy.compensate(gradient, self.weights, worker.weights_read)
+            if self.policy.delay_compensation and pending.weights_read is not None:
+                gradient = self.policy.compensate(gradient, self.weights, pending.weights_read)
             kept.append((pending.worker, self.policy.factor(staleness), gradient))
         self.statistics.record_group(len(group))
         if not kept:

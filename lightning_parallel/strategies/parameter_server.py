@@ -104,6 +104,7 @@ class ParameterServerStrategy(DDPStrategy):
         self,
         staleness: str = "none",
         softsync: int = 1,
+        softsync_wait: bool | str = False,
         max_staleness: int | float | str | None = None,
         dc: float = 0.0,
         drop_staleness: int | float | str | None = None,
@@ -124,6 +125,7 @@ class ParameterServerStrategy(DDPStrategy):
             staleness_decay=float(staleness_decay),
             drop_staleness=drop_staleness,  # type: ignore[arg-type]
             softsync=softsync,
+            softsync_wait=_as_bool("softsync_wait", softsync_wait),
             max_staleness=max_staleness,  # type: ignore[arg-type]
             delay_compensation=float(dc),
         )
@@ -150,6 +152,7 @@ class ParameterServerStrategy(DDPStrategy):
         self.runtime: ParameterServerRuntime | None = None
         self._asynchronous = False
         self._failed = False
+        self._bytes_sent = 0.0
         self._warned_sync_dist = False
         self._server_state: dict[str, Any] | None = None
         self._resume_server_state: dict[str, Any] | None = None
@@ -341,7 +344,11 @@ class ParameterServerStrategy(DDPStrategy):
     def _after_exchange(self, trainer: pl.Trainer, drained: bool) -> None:
         assert self.runtime is not None
         ledger = process_ledger()
-        ledger.add("parameter_server", self.runtime.take_bytes(), 0.0)
+        # The point-to-point messages are counted by ``track_collectives`` (as every
+        # collective is, under ``CommStats``); the runtime's own count is a gauge, not added
+        # to the ledger's bytes a second time.
+        self._bytes_sent += self.runtime.take_bytes()
+        ledger.set_gauge("ps_bytes_sent", self._bytes_sent)
         for name, value in self.runtime.gauges().items():
             ledger.set_gauge(name, value)
         if drained:
@@ -466,6 +473,18 @@ class ParameterServerStrategy(DDPStrategy):
         while self._restore:
             self._restore.pop()()
         super().teardown()
+
+
+def _as_bool(name: str, value: bool | str) -> bool:
+    """A boolean argument, also from a benchmark spec's text (``true``/``false``, ``1``/``0``)."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("true", "1", "yes"):
+        return True
+    if text in ("false", "0", "no"):
+        return False
+    raise ValueError(f"{name} must be true or false, got {value!r}")
 
 
 def _local_sigterm(trainer: pl.Trainer) -> None:

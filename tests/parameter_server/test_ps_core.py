@@ -168,7 +168,8 @@ def test_drop_beyond_bound_keeps_weights_and_counts():
 
 def test_softsync_group_is_the_mean_with_one_optimizer_step():
     w0 = torch.zeros(3, dtype=torch.float64)
-    server = _server(UpdatePolicy(softsync=2), w0.clone(), workers=(0, 1, 2), lr=1.0)
+    policy = UpdatePolicy(softsync=2, softsync_wait=True)
+    server = _server(policy, w0.clone(), workers=(0, 1, 2), lr=1.0)
     for worker in range(3):
         _begin(server, worker)
     g = [torch.full((3,), float(k + 1), dtype=torch.float64) for k in range(3)]
@@ -177,6 +178,29 @@ def test_softsync_group_is_the_mean_with_one_optimizer_step():
     assert sorted(r.worker for r in replies) == [0, 2]
     torch.testing.assert_close(server.weights, -(g[0] + g[2]) / 2)
     assert server.version == 1 and server.statistics.groups == []  # trace is off by default
+
+
+def test_softsync_without_waiting_answers_at_once_and_applies_in_groups():
+    """Zhang et al.'s n-softsync: push and pull at once; the gradient waits for its group."""
+    server = _server(
+        UpdatePolicy(softsync=2), torch.zeros(2, dtype=torch.float64), workers=(0, 1, 2), lr=1.0
+    )
+    for worker in range(3):
+        _begin(server, worker)
+    one = torch.ones(2, dtype=torch.float64)
+    (first,) = _push(server, 0, 0, one)  # answered with the unchanged weights, version 0
+    assert (first.worker, first.version) == (0, 0) and torch.equal(first.weights, 0 * one)
+    buffer = 10 * one
+    (second,) = _push(server, 0, 0, buffer)  # worker 0 again: a group of its two gradients
+    buffer.fill_(1e6)  # the receive buffer is reused; the server kept copies
+    assert second.version == 1
+    torch.testing.assert_close(server.weights, -(one + 10 * one) / 2)
+    (third,) = _push(server, 1, 0, 3 * one)  # waits for a partner, answered at version 1
+    assert third.version == 1 and server.version == 1
+    (fourth,) = _push(server, 2, 0, 5 * one)
+    # group {3g (staleness 1), 5g (staleness 1)}: w = -5.5 - (3 + 5) / 2
+    torch.testing.assert_close(server.weights, -9.5 * one)
+    assert fourth.version == 2 and server.statistics.applied == 4
 
 
 def test_momentum_state_and_learning_rate_mirror():
