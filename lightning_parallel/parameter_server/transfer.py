@@ -19,23 +19,12 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 from torch.distributed import distributed_c10d as c10d
 
+from lightning_parallel.pipeline.transport import WIRE_DTYPES
+
 __all__: list[str] = []
 
 MAX_DIMS = 8
-_DTYPES = (
-    torch.float32,
-    torch.float64,
-    torch.float16,
-    torch.bfloat16,
-    torch.int64,
-    torch.int32,
-    torch.int16,
-    torch.int8,
-    torch.uint8,
-    torch.bool,
-    torch.complex64,
-    torch.complex128,
-)
+
 _TENSOR, _FLOAT, _INT, _BOOL = 0, 1, 2, 3
 
 State = dict[int, dict[str, Any]]
@@ -52,12 +41,12 @@ def _encode(state: State) -> tuple[Tensor, Tensor, list[Tensor]]:
     values: list[Tensor] = []
     for row, (_, key, value) in enumerate(entries):
         if isinstance(value, Tensor):
-            if value.dim() > MAX_DIMS or value.dtype not in _DTYPES:
+            if value.dim() > MAX_DIMS or value.dtype not in WIRE_DTYPES:
                 raise ValueError(
                     f"optimizer state {key!r} ({value.dtype}, {value.dim()}-d) cannot be sent"
                 )
             table[row, 0] = _TENSOR
-            table[row, 1] = _DTYPES.index(value.dtype)
+            table[row, 1] = WIRE_DTYPES.index(value.dtype)
             table[row, 2] = value.dim()
             table[row, 3 : 3 + value.dim()] = torch.tensor(value.shape, dtype=torch.int64)
             values.append(value.detach().cpu().contiguous())
@@ -107,7 +96,7 @@ def recv_state(src: int, group: ProcessGroup | None = None) -> State:
         kind, dtype_code, dims = row[0], row[1], row[2]
         if kind == _TENSOR:
             shape = row[3 : 3 + dims]
-            value: Any = torch.zeros(shape, dtype=_DTYPES[dtype_code])
+            value: Any = torch.zeros(shape, dtype=WIRE_DTYPES[dtype_code])
             c10d.recv(value.reshape(-1) if dims == 0 else value, src, group=group)
         else:
             holder = torch.zeros(1, dtype=torch.float64 if kind == _FLOAT else torch.int64)

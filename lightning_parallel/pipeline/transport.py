@@ -30,7 +30,7 @@ HEADER_LENGTH = 128
 ACTIVATION_TAG = 11
 GRADIENT_TAG = 12
 
-_DTYPES: tuple[torch.dtype, ...] = (
+WIRE_DTYPES: tuple[torch.dtype, ...] = (  # dtype codes on the wire (index = code)
     torch.float32,
     torch.float64,
     torch.float16,
@@ -50,10 +50,10 @@ def encode_header(tensors: Sequence[torch.Tensor], is_tuple: bool) -> torch.Tens
     """The int64 header of a forward message (see the module docstring)."""
     fields = [1 if is_tuple else 0, len(tensors)]
     for tensor in tensors:
-        if tensor.dtype not in _DTYPES:
+        if tensor.dtype not in WIRE_DTYPES:
             raise TypeError(f"cannot send a {tensor.dtype} tensor between stages")
         fields += [
-            _DTYPES.index(tensor.dtype),
+            WIRE_DTYPES.index(tensor.dtype),
             int(tensor.requires_grad),
             tensor.dim(),
             *tensor.shape,
@@ -77,7 +77,7 @@ def decode_header(header: torch.Tensor) -> tuple[bool, list[tuple[torch.dtype, b
     for _ in range(count):
         dtype, requires_grad, rank = values[position : position + 3]
         shape = values[position + 3 : position + 3 + rank]
-        specs.append((_DTYPES[dtype], bool(requires_grad), shape))
+        specs.append((WIRE_DTYPES[dtype], bool(requires_grad), shape))
         position += 3 + rank
     return is_tuple, specs
 
