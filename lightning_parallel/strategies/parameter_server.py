@@ -104,7 +104,7 @@ class ParameterServerStrategy(DDPStrategy):
         self,
         staleness: str = "none",
         softsync: int = 1,
-        softsync_wait: bool | str = False,
+        softsync_wait: bool | str = True,
         max_staleness: int | float | str | None = None,
         dc: float = 0.0,
         drop_staleness: int | float | str | None = None,

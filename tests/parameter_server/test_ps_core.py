@@ -168,7 +168,7 @@ def test_drop_beyond_bound_keeps_weights_and_counts():
 
 def test_softsync_group_is_the_mean_with_one_optimizer_step():
     w0 = torch.zeros(3, dtype=torch.float64)
-    policy = UpdatePolicy(softsync=2, softsync_wait=True)
+    policy = UpdatePolicy(softsync=2)  # softsync_wait=True: the worker waits for its group
     server = _server(policy, w0.clone(), workers=(0, 1, 2), lr=1.0)
     for worker in range(3):
         _begin(server, worker)
@@ -183,7 +183,10 @@ def test_softsync_group_is_the_mean_with_one_optimizer_step():
 def test_softsync_without_waiting_answers_at_once_and_applies_in_groups():
     """Zhang et al.'s n-softsync: push and pull at once; the gradient waits for its group."""
     server = _server(
-        UpdatePolicy(softsync=2), torch.zeros(2, dtype=torch.float64), workers=(0, 1, 2), lr=1.0
+        UpdatePolicy(softsync=2, softsync_wait=False),
+        torch.zeros(2, dtype=torch.float64),
+        workers=(0, 1, 2),
+        lr=1.0,
     )
     for worker in range(3):
         _begin(server, worker)
