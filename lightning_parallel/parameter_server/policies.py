@@ -146,6 +146,10 @@ class UpdatePolicy:
             whose gradient would break the bound waits (default ``None``: unbounded, fully
             asynchronous; ``0``: synchronous SGD, every update averages one gradient per worker).
         delay_compensation: λ of DC-ASGD (default 0.0: off; the paper uses about 0.04).
+        lr_scale: constant factor on the user's learning rate for every update (default 1.0).
+            An update applies ``softsync`` gradients where synchronous training with ``W``
+            workers applies the mean of ``W``: ``softsync / W`` keeps the step per sample
+            (the linear scaling rule; ``ParameterServerStrategy(lr_scale="auto")``).
 
     Example::
 
@@ -159,6 +163,7 @@ class UpdatePolicy:
     softsync_wait: bool = True
     max_staleness: int | None = None
     delay_compensation: float = 0.0
+    lr_scale: float = 1.0
     scaling: StalenessScaling = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -180,6 +185,10 @@ class UpdatePolicy:
                 f"{self.delay_compensation!r}; the paper uses about 0.04"
             )
         object.__setattr__(self, "delay_compensation", compensation)
+        scale = float(self.lr_scale)
+        if not scale > 0.0 or math.isinf(scale):
+            raise ValueError(f"lr_scale must be a finite value > 0, got {self.lr_scale!r}")
+        object.__setattr__(self, "lr_scale", scale)
 
     @property
     def answers_before_update(self) -> bool:

@@ -316,7 +316,7 @@ class ShardServer:
                 for _, factor, gradient in kept:
                     self.gradient.add_(gradient, alpha=factor)
                 self.gradient.div_(total)
-        self._step(total / len(kept))
+        self._step(total / len(kept) * self.policy.lr_scale)
         self.version += 1
         self._snapshot = None
         self.statistics.applied += len(kept)

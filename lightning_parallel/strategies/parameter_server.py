@@ -30,6 +30,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Callable, Mapping
@@ -81,6 +82,9 @@ class ParameterServerStrategy(DDPStrategy):
         max_staleness: SSP bound s: no gradient is applied more than s updates stale; a fast
             worker blocks instead (default ``None``: unbounded; ``0``: synchronous SGD).
         dc: DC-ASGD delay-compensation λ (default 0.0: off; the paper uses about 0.04).
+        lr_scale: factor on the user's learning rate for every server update (default 1.0);
+            ``"auto"``: ``softsync / world_size``, the step per sample of synchronous training
+            (each update applies ``softsync`` gradients, not the mean of all workers').
         drop_staleness: drop gradients staler than this (default ``None``: keep all).
         staleness_decay: decay c of ``"exp"`` scaling (default 0.5).
         server_rank: global rank hosting the first shard (default 0; shard k is on
@@ -107,6 +111,7 @@ class ParameterServerStrategy(DDPStrategy):
         softsync_wait: bool | str = True,
         max_staleness: int | float | str | None = None,
         dc: float = 0.0,
+        lr_scale: float | str = 1.0,
         drop_staleness: int | float | str | None = None,
         staleness_decay: float = 0.5,
         server_rank: int = 0,
@@ -128,7 +133,9 @@ class ParameterServerStrategy(DDPStrategy):
             softsync_wait=_as_bool("softsync_wait", softsync_wait),
             max_staleness=max_staleness,  # type: ignore[arg-type]
             delay_compensation=float(dc),
+            lr_scale=1.0 if lr_scale == "auto" else float(lr_scale),
         )
+        self.lr_scale_auto = lr_scale == "auto"
         if int(server_rank) != server_rank or server_rank < 0:
             raise ValueError(f"server_rank must be a global rank >= 0, got {server_rank!r}")
         if int(shards) != shards or shards < 1:
@@ -213,6 +220,9 @@ class ParameterServerStrategy(DDPStrategy):
                 f"softsync={self.policy.softsync} waits for more gradients than there are workers "
                 f"({trainer.world_size}); use softsync <= {trainer.world_size}"
             )
+        if self.lr_scale_auto:
+            scale = self.policy.softsync / trainer.world_size
+            self.policy = dataclasses.replace(self.policy, lr_scale=scale)
         if self.shards > trainer.world_size or self.server_rank >= trainer.world_size:
             raise ValueError(
                 f"shards={self.shards} and server_rank={self.server_rank} need a world size above "

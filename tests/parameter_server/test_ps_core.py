@@ -354,3 +354,22 @@ def test_unshared_budget_gives_each_worker_exactly_its_own_batches():
     assert budget.begin(0, 3, 2)[0] == 2 and budget.begin(1, 3, 2)[0] == 2
     assert budget.grant(0, 2, held=0) == (1, ReplyFlag.EPOCH_OVER)  # not worker 1's batches
     assert budget.grant(1, 2, held=0) == (1, ReplyFlag.EPOCH_OVER)
+
+
+def test_lr_scale_multiplies_every_update_and_auto_is_softsync_over_workers():
+    """w1 = w0 - lr * lr_scale * f(tau) * g, by hand, with inverse scaling on top."""
+    policy = UpdatePolicy(staleness="inverse", lr_scale=0.25)
+    server = _server(policy, torch.zeros(2, dtype=torch.float64), workers=(0, 1), lr=0.5)
+    _begin(server, 0)
+    _begin(server, 1)
+    one = torch.ones(2, dtype=torch.float64)
+    _push(server, 0, 0, 4 * one)  # fresh: w = -0.5 * 0.25 * 4 = -0.5
+    _push(server, 1, 0, 4 * one)  # staleness 1, factor 1/2: w = -0.5 - 0.5 * 0.25 * 0.5 * 4
+    torch.testing.assert_close(server.weights, -0.75 * one)
+    with pytest.raises(ValueError, match="lr_scale must be a finite value > 0"):
+        UpdatePolicy(lr_scale=0)
+
+    from lightning_parallel.strategies.parameter_server import ParameterServerStrategy
+
+    strategy = ParameterServerStrategy(softsync=2, lr_scale="auto")
+    assert strategy.lr_scale_auto and strategy.policy.lr_scale == 1.0  # resolved at setup
