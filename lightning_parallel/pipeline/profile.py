@@ -213,3 +213,28 @@ def profile_layers(
             for buffer, saved in zip(modules.buffers(), saved_buffers):
                 buffer.copy_(saved)
     return ModelProfile(tuple(costs), nbytes(example_args))
+
+
+def mean_profile(profiles: Sequence[ModelProfile]) -> ModelProfile:
+    """Per-layer forward and backward times averaged over ``profiles`` (the bytes of the first).
+
+    The ranks of a pipeline profile the same layers at the same time, each under the load the
+    others put on the machine; their mean is the plan every rank then computes alike.
+    """
+    if not profiles:
+        raise ValueError("mean_profile needs at least one profile")
+    first = profiles[0]
+    if any(len(p) != len(first) for p in profiles):
+        raise ValueError("the profiles cover different numbers of layers")
+    count = len(profiles)
+    layers = tuple(
+        LayerCost(
+            forward_seconds=sum(p.layers[i].forward_seconds for p in profiles) / count,
+            backward_seconds=sum(p.layers[i].backward_seconds for p in profiles) / count,
+            activation_bytes=layer.activation_bytes,
+            output_bytes=layer.output_bytes,
+            parameter_bytes=layer.parameter_bytes,
+        )
+        for i, layer in enumerate(first.layers)
+    )
+    return ModelProfile(layers, first.input_bytes)

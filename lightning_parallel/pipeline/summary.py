@@ -139,6 +139,9 @@ class LogRecorder:
         return result
 
 
+_TIMINGS = 5  # busy, step, sync, exposed, wait: one slot per stage each
+
+
 @dataclass
 class SummaryResult:
     """What every rank of the pipeline knows after :meth:`StepSummary.exchange`."""
@@ -149,6 +152,7 @@ class SummaryResult:
     sync_seconds: list[float]
     exposed_seconds: list[float]
     logged: list[LoggedValue]
+    wait_seconds: list[float] = field(default_factory=list)
 
     @property
     def bubble_fraction(self) -> float:
@@ -157,6 +161,18 @@ class SummaryResult:
         if step <= 0:
             return 0.0
         return max(0.0, 1.0 - sum(self.busy_seconds) / (len(self.busy_seconds) * step))
+
+    @property
+    def wait_fraction(self) -> float:
+        """``Σ wait / (p · slowest step)``: share of stage-time spent blocked on a neighbour.
+
+        The dependency part of the bubble; ``bubble_fraction − wait_fraction`` is the rest of
+        the non-compute time (launching sends and receives, moving micro-batches, Python).
+        """
+        step = max(self.step_seconds) if self.step_seconds else 0.0
+        if step <= 0 or not self.wait_seconds:
+            return 0.0
+        return min(1.0, sum(self.wait_seconds) / (len(self.wait_seconds) * step))
 
 
 class StepSummary:
@@ -195,10 +211,11 @@ class StepSummary:
         sync_seconds: float = 0.0,
         exposed_seconds: float = 0.0,
         logged: Sequence[LoggedValue] = (),
+        wait_seconds: float = 0.0,
     ) -> SummaryResult:
         """Combine this rank's figures with the group's (every rank of the group calls it)."""
         p, k = self.stages, self.stage
-        width = 3 + 4 * p + self.capacity
+        width = 3 + _TIMINGS * p + self.capacity
         vector = torch.zeros(width, dtype=torch.float64)
         schema = [(v.name, v.metric is not None, v.options) for v in logged]
         overflow = len(logged) > self.capacity
@@ -207,15 +224,16 @@ class StepSummary:
             vector[0], vector[1], vector[2] = loss, float(fingerprint), float(len(logged))
             if not overflow:
                 for i, item in enumerate(logged):
-                    vector[3 + 4 * p + i] = item.value
-        timings = (busy_seconds, step_seconds, sync_seconds, exposed_seconds)
+                    vector[3 + _TIMINGS * p + i] = item.value
+        timings = (busy_seconds, step_seconds, sync_seconds, exposed_seconds, wait_seconds)
         for offset, seconds in enumerate(timings):
             vector[3 + offset * p + k] = seconds
         if p > 1:
             dist.all_reduce(vector, group=self.group)
         fingerprint_seen = int(vector[1])
         count = int(vector[2])
-        values = vector[3 + 4 * p : 3 + 4 * p + min(count, self.capacity)].tolist()
+        start = 3 + _TIMINGS * p
+        values = vector[start : start + min(count, self.capacity)].tolist()
         if fingerprint_seen != self._fingerprint or count > self.capacity:
             payload: list[Any] = [(schema, [v.value for v in logged]) if self.is_last else None]
             if p > 1:
@@ -234,5 +252,5 @@ class StepSummary:
             return vector[3 + offset * p : 3 + (offset + 1) * p].tolist()
 
         return SummaryResult(
-            float(vector[0]), slots(0), slots(1), slots(2), slots(3), result_logged
+            float(vector[0]), slots(0), slots(1), slots(2), slots(3), result_logged, slots(4)
         )

@@ -76,7 +76,12 @@ from lightning_parallel.pipeline.partition import (
     partition,
     projected_step,
 )
-from lightning_parallel.pipeline.profile import profile_layers, tensors_of
+from lightning_parallel.pipeline.profile import (
+    ModelProfile,
+    mean_profile,
+    profile_layers,
+    tensors_of,
+)
 from lightning_parallel.pipeline.recompute import check_recompute_mode, is_recomputing
 from lightning_parallel.pipeline.runtime import StageRuntime, StepStatistics
 from lightning_parallel.pipeline.schedule import SCHEDULES, get_schedule
@@ -489,28 +494,30 @@ class GroPipeStrategy(DDPStrategy):
             return list(self.partition), None
         if self.partition == "even" or self.stages == 1:
             return even_boundaries(len(layers), self.stages), None
-        # "auto": one rank profiles (timings differ across ranks), everyone takes its plan
-        outcome: list[Any] = [None]
-        if self.global_rank == 0:
-            try:
-                profile = profile_layers(
-                    layers, example, repeats=self.profile_repeats, micro_batches=self.micro_batches
-                )
-                outcome[0] = partition(
-                    profile,
-                    self.stages,
-                    self.micro_batches,
-                    schedule=self.schedule.name,
-                    recompute=self.recompute,
-                    memory_limit_bytes=self.memory_limit_bytes,
-                )
-            except (PartitionError, PipelineSplitError) as error:
-                outcome[0] = str(error)
+        # "auto": every rank profiles at the same time, so that the timings see what training
+        # will see (the other ranks computing beside it, sharing cores and memory bandwidth);
+        # the per-layer times are averaged over ranks and every rank partitions the same way
+        try:
+            mine: ModelProfile | str = profile_layers(
+                layers, example, repeats=self.profile_repeats, micro_batches=self.micro_batches
+            )
+        except (PartitionError, PipelineSplitError) as error:
+            mine = str(error)
+        profiles: list[Any] = [mine]
         if dist.is_available() and dist.is_initialized() and self.world_size > 1:
-            dist.broadcast_object_list(outcome, src=0)
-        if isinstance(outcome[0], str):
-            raise PartitionError(outcome[0])
-        plan: PartitionPlan = outcome[0]
+            profiles = [None] * self.world_size
+            dist.all_gather_object(profiles, mine)
+        errors = [p for p in profiles if isinstance(p, str)]
+        if errors:
+            raise PartitionError(errors[0])
+        plan = partition(
+            mean_profile(profiles),
+            self.stages,
+            self.micro_batches,
+            schedule=self.schedule.name,
+            recompute=self.recompute,
+            memory_limit_bytes=self.memory_limit_bytes,
+        )
         return list(plan.boundaries), plan
 
     # -- the training step -------------------------------------------------------------------
@@ -590,6 +597,7 @@ class GroPipeStrategy(DDPStrategy):
             self._last_sync.duration,
             self._last_sync.exposed,
             recorder.combined() if pipeline.runtime.is_last else (),
+            stats.wait_seconds,
         )
         self._last_sync = self._finish_gradients(pipeline)
         self._stash = self._take_gradients()
@@ -710,6 +718,7 @@ class GroPipeStrategy(DDPStrategy):
         self.timeline.append(list(stats.events))
         ledger = process_ledger()
         ledger.set_gauge("bubble_fraction", summary.bubble_fraction)
+        ledger.set_gauge("bubble_wait_fraction", summary.wait_fraction)
         plan = self.partition_plan
         projected = (self.stages - 1) / (count + self.stages - 1)
         if plan is not None and count == plan.micro_batches:

@@ -118,3 +118,18 @@ def test_impossible_requests_name_the_fix() -> None:
         partition(profile, 5, 4)
     with pytest.raises(PartitionError, match="raise the memory limit"):
         partition(profile, 2, 4, memory_limit_bytes=1.0)
+
+
+def test_mean_profile_averages_times_and_keeps_bytes() -> None:
+    from lightning_parallel.pipeline.profile import mean_profile
+
+    a = ModelProfile((LayerCost(1.0, 2.0, 10, 20, 30), LayerCost(3.0, 4.0, 1, 2, 3)), 7)
+    b = ModelProfile((LayerCost(3.0, 4.0, 10, 20, 30), LayerCost(5.0, 8.0, 1, 2, 3)), 7)
+    mean = mean_profile([a, b])
+    assert [(c.forward_seconds, c.backward_seconds) for c in mean.layers] == [
+        (2.0, 3.0),
+        (4.0, 6.0),
+    ]
+    assert mean.layers[0].activation_bytes == 10 and mean.input_bytes == 7
+    with pytest.raises(ValueError, match="different numbers of layers"):
+        mean_profile([a, ModelProfile(a.layers[:1], 7)])
