@@ -1,14 +1,27 @@
 """Place ``g`` groups of ``p`` stages on ``g·p`` ranks and build their process groups.
 
 GroPipe's mesh has two axes: *pipeline* (the ``p`` stages of one group, one model replica)
-and *data parallel* (the ``g`` replicas of one stage). Rank of stage ``k`` in group ``i``::
+and *data parallel* (the ``g`` replicas of one stage). Rank of stage ``k`` in group ``i``:
+
+``placement="pipeline"`` (default)::
 
     rank(i, k) = i·p + (p − 1 − k)
 
-Ranks of a group are consecutive (on a multi-host cluster with ``p`` processes per host, a
-pipeline stays on one host and only the data-parallel allreduce crosses hosts), and the *last*
-stage comes first, so global rank 0 holds the last stage of group 0: the stage that computes
-the loss, where Lightning's loggers and progress bar live.
+  the ranks of a group are consecutive: on a multi-host cluster with ``p`` processes per host a
+  pipeline stays on one host, and only the data-parallel allreduce crosses hosts (best when the
+  activations at the cuts outweigh the gradients);
+
+``placement="stage"``::
+
+    rank(i, k) = (p − 1 − k)·g + i
+
+  the replicas of a stage are consecutive: with ``g`` processes per host a stage's
+  data-parallel allreduce stays on one host, and only the activations and their gradients
+  cross hosts (best when the gradients outweigh the activations, as in VGG-like models whose
+  parameters sit in the classifier; DeepSpeed's default placement).
+
+Either way the *last* stage comes first, so global rank 0 holds the last stage of group 0:
+the stage that computes the loss, where Lightning's loggers and progress bar live.
 
 For 2 groups of 3 stages::
 
@@ -25,6 +38,8 @@ import torch.distributed as dist
 
 __all__: list[str] = []
 
+PLACEMENTS: tuple[str, ...] = ("pipeline", "stage")
+
 
 @dataclass(frozen=True)
 class PipelineTopology:
@@ -32,8 +47,11 @@ class PipelineTopology:
 
     world_size: int
     stages: int
+    placement: str = "pipeline"
 
     def __post_init__(self) -> None:
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
         if self.stages < 1:
             raise ValueError(f"stages must be at least 1, got {self.stages}")
         if self.world_size % self.stages:
@@ -47,12 +65,18 @@ class PipelineTopology:
         return self.world_size // self.stages
 
     def rank(self, group: int, stage: int) -> int:
+        if self.placement == "stage":
+            return (self.stages - 1 - stage) * self.groups + group
         return group * self.stages + (self.stages - 1 - stage)
 
     def group_of(self, rank: int) -> int:
+        if self.placement == "stage":
+            return rank % self.groups
         return rank // self.stages
 
     def stage_of(self, rank: int) -> int:
+        if self.placement == "stage":
+            return self.stages - 1 - rank // self.groups
         return self.stages - 1 - rank % self.stages
 
     def pipeline_ranks(self, group: int) -> list[int]:

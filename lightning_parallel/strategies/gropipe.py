@@ -97,6 +97,7 @@ from lightning_parallel.pipeline.stages import (
 from lightning_parallel.pipeline.summary import LoggedValue, LogRecorder, StepSummary, SummaryResult
 from lightning_parallel.pipeline.timeline import TimelineEvent, events_to_dicts, plot_timeline
 from lightning_parallel.pipeline.topology import (
+    PLACEMENTS,
     PipelineTopology,
     ProcessGroups,
     build_process_groups,
@@ -186,6 +187,10 @@ class GroPipeStrategy(DDPStrategy):
         timeline_path: write the measured timeline of the last ``timeline_steps`` training
             steps there at the end of ``fit`` (``.json``, or ``.png`` for a plot).
         timeline_steps: steps of timeline kept in memory.
+        placement: ``"pipeline"`` (a group's stages on consecutive ranks: pipelines stay on a
+            host, the data-parallel allreduce crosses hosts) or ``"stage"`` (a stage's
+            replicas on consecutive ranks: the allreduce stays on a host, activations cross;
+            better when gradients outweigh activations).
         start_method: ``"popen"`` (Lightning re-runs the script per process; the right choice
             with torchrun/SLURM), ``"spawn"``, ``"fork"`` or ``"forkserver"``. When processes
             are launched externally the strategy launches nothing, whatever this says.
@@ -209,6 +214,7 @@ class GroPipeStrategy(DDPStrategy):
         profile_repeats: int = 5,
         timeline_path: str | None = None,
         timeline_steps: int = 3,
+        placement: str = "pipeline",
         start_method: str = "popen",
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
@@ -242,6 +248,11 @@ class GroPipeStrategy(DDPStrategy):
             raise ValueError(f"profile_repeats must be at least 1, got {profile_repeats}")
         if timeline_steps < 1:
             raise ValueError(f"timeline_steps must be at least 1, got {timeline_steps}")
+        if placement not in PLACEMENTS:
+            raise ValueError(
+                f"placement must be one of {PLACEMENTS} ('stage' keeps each stage's data-parallel "
+                f"allreduce on one host), got {placement!r}"
+            )
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -262,6 +273,7 @@ class GroPipeStrategy(DDPStrategy):
         self.memory_limit_bytes = memory_limit_bytes
         self.profile_repeats = profile_repeats
         self.timeline_path = timeline_path
+        self.placement = placement
         self.timeline: collections.deque[list[TimelineEvent]] = collections.deque(
             maxlen=timeline_steps
         )
@@ -285,10 +297,14 @@ class GroPipeStrategy(DDPStrategy):
 
     @property
     def group_index(self) -> int:
+        if self.placement == "stage":
+            return self.global_rank % self.groups
         return self.global_rank // self.stages
 
     @property
     def stage_index(self) -> int:
+        if self.placement == "stage":
+            return self.stages - 1 - self.global_rank // self.groups
         return self.stages - 1 - self.global_rank % self.stages
 
     @property
@@ -307,7 +323,7 @@ class GroPipeStrategy(DDPStrategy):
 
     def setup_environment(self) -> None:
         super().setup_environment()
-        topology = PipelineTopology(self.world_size, self.stages)
+        topology = PipelineTopology(self.world_size, self.stages, self.placement)
         if self._topology != topology:
             self._topology = topology
             self._groups = build_process_groups(topology, self.global_rank)

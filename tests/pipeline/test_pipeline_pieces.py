@@ -204,6 +204,22 @@ def test_topology_puts_the_last_stage_of_group_zero_on_rank_zero() -> None:
         PipelineTopology(6, 4)
 
 
+def test_stage_placement_puts_the_replicas_of_a_stage_side_by_side() -> None:
+    topology = PipelineTopology(6, 3, placement="stage")
+    assert [(topology.group_of(r), topology.stage_of(r)) for r in range(6)] == [
+        (0, 2),
+        (1, 2),
+        (0, 1),
+        (1, 1),
+        (0, 0),
+        (1, 0),
+    ]
+    assert topology.pipeline_ranks(1) == [5, 3, 1] and topology.data_parallel_ranks(0) == [4, 5]
+    assert all(topology.rank(topology.group_of(r), topology.stage_of(r)) == r for r in range(6))
+    with pytest.raises(ValueError, match="placement must be one of"):
+        PipelineTopology(6, 3, placement="diagonal")
+
+
 def test_logged_values_combine_across_micro_batches() -> None:
     recorder = LogRecorder()
     for weight, loss in ((0.5, 1.0), (0.25, 2.0), (0.25, 4.0)):

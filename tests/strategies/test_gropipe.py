@@ -116,11 +116,14 @@ def test_fit_matches_single_device(schedule: str, extra: dict[str, Any]) -> None
         )
 
 
-def test_two_groups_of_two_stages_match_single_device() -> None:
+@pytest.mark.parametrize("placement", ["pipeline", "stage"])
+def test_two_groups_of_two_stages_match_single_device(placement: str) -> None:
     reference = Net()
     trainer("auto", 1).fit(reference, loader(2 * BATCH, shuffled=True))
     model = Net()
-    strategy = GroPipeStrategy(stages=2, micro_batches=2, partition=[3], start_method="fork")
+    strategy = GroPipeStrategy(
+        stages=2, micro_batches=2, partition=[3], placement=placement, start_method="fork"
+    )
     trainer(strategy, 4).fit(model, loader(BATCH))
     assert_same_weights(reference, model)
 
