@@ -21,20 +21,10 @@ from pytorch_lightning.strategies import DDPStrategy
 from typing_extensions import override
 
 from lightning_parallel.callbacks.hylo import HyloCompression
+from lightning_parallel.strategies.arguments import as_bool, optional_bool
 from lightning_parallel.strategies.registry import register_strategy
 
 __all__: list[str] = []
-
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("0", "false", "no", "off")
-
-
-def _as_bool(value: bool | str) -> bool:
-    if isinstance(value, str):
-        if value.lower() not in _TRUE + _FALSE:
-            raise ValueError(f"expected a boolean (true/false), got {value!r}")
-        return value.lower() in _TRUE
-    return bool(value)
 
 
 class HyloStrategy(DDPStrategy):
@@ -96,9 +86,9 @@ class HyloStrategy(DDPStrategy):
             min_compress_numel=int(min_compress_numel),
             warmup_steps=int(warmup_steps),
             exchange=exchange,
-            cost_model=_as_bool(cost_model),
+            cost_model=as_bool("cost_model", cost_model),
             bandwidth=float(bandwidth) if bandwidth is not None else None,
-            overlap=_as_bool(overlap) if overlap is not None else None,
+            overlap=optional_bool("overlap", overlap),
             reconstruction=reconstruction,
         )
 

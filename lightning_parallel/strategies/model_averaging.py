@@ -85,6 +85,7 @@ from lightning_parallel.averaging.policies import (
 )
 from lightning_parallel.averaging.reduction import REDUCE_KINDS
 from lightning_parallel.comm.tree import ranks_per_host_from_environment
+from lightning_parallel.strategies.arguments import optional_bool
 from lightning_parallel.strategies.registry import register_strategy
 
 __all__ = ["ModelAveragingStrategy"]
@@ -212,14 +213,14 @@ class ModelAveragingStrategy(DDPStrategy):
         hyperparameters = {
             "block_momentum": _optional_float("block_momentum", block_momentum),
             "block_learning_rate": _optional_float("block_learning_rate", block_learning_rate),
-            "nesterov": _optional_bool("nesterov", nesterov),
+            "nesterov": optional_bool("nesterov", nesterov),
             "alpha": _optional_float("alpha", alpha),
             "beta": _optional_float("beta", beta),
-            "center_first": _optional_bool("center_first", center_first),
+            "center_first": optional_bool("center_first", center_first),
             "outer_optimizer": outer_optimizer,
             "outer_lr": _optional_float("outer_lr", outer_lr),
             "outer_momentum": _optional_float("outer_momentum", outer_momentum),
-            "outer_nesterov": _optional_bool("outer_nesterov", outer_nesterov),
+            "outer_nesterov": optional_bool("outer_nesterov", outer_nesterov),
         }
         self.algorithm, self._make_averager = _averager_factory(algorithm, hyperparameters)
         self._make_averager()  # bad hyperparameters fail here, not in the worker processes
@@ -237,7 +238,7 @@ class ModelAveragingStrategy(DDPStrategy):
             "optimizer_state", optimizer_state, OPTIMIZER_STATE_POLICIES
         )
         self.reduce_kind = check_choice("reduce", reduce, REDUCE_KINDS)
-        self.overlap = bool(_optional_bool("overlap", overlap))
+        self.overlap = bool(optional_bool("overlap", overlap))
         self.before_validation = check_choice(
             "before_validation", before_validation, VALIDATION_POLICIES
         )
@@ -550,18 +551,6 @@ def _optional_float(name: str, value: object) -> float | None:
         return float(value)
     except ValueError as error:
         raise ValueError(f"{name} must be a number, got {value!r}") from error
-
-
-def _optional_bool(name: str, value: object) -> bool | None:
-    if value is None or isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on"):
-        return True
-    if isinstance(value, str) and value.lower() in ("false", "0", "no", "off"):
-        return False
-    if isinstance(value, int) and value in (0, 1):
-        return bool(value)
-    raise ValueError(f"{name} must be true or false, got {value!r}")
 
 
 register_strategy(

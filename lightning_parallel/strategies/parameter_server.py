@@ -61,6 +61,7 @@ from lightning_parallel.parameter_server.data import BudgetedLoader
 from lightning_parallel.parameter_server.faults import WorkerFailure
 from lightning_parallel.parameter_server.policies import UpdatePolicy
 from lightning_parallel.parameter_server.runtime import ParameterServerRuntime
+from lightning_parallel.strategies.arguments import as_bool
 from lightning_parallel.strategies.registry import register_strategy
 
 __all__: list[str] = []
@@ -130,7 +131,7 @@ class ParameterServerStrategy(DDPStrategy):
             staleness_decay=float(staleness_decay),
             drop_staleness=drop_staleness,  # type: ignore[arg-type]
             softsync=softsync,
-            softsync_wait=_as_bool("softsync_wait", softsync_wait),
+            softsync_wait=as_bool("softsync_wait", softsync_wait),
             max_staleness=max_staleness,  # type: ignore[arg-type]
             delay_compensation=float(dc),
             lr_scale=1.0 if lr_scale == "auto" else float(lr_scale),
@@ -483,18 +484,6 @@ class ParameterServerStrategy(DDPStrategy):
         while self._restore:
             self._restore.pop()()
         super().teardown()
-
-
-def _as_bool(name: str, value: bool | str) -> bool:
-    """A boolean argument, also from a benchmark spec's text (``true``/``false``, ``1``/``0``)."""
-    if isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text in ("true", "1", "yes"):
-        return True
-    if text in ("false", "0", "no"):
-        return False
-    raise ValueError(f"{name} must be true or false, got {value!r}")
 
 
 def _local_sigterm(trainer: pl.Trainer) -> None:
