@@ -28,3 +28,16 @@ def test_train_digits_example_runs_as_its_docstring_says(tmp_path):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "val_acc=" in result.stdout and "bytes/step=" in result.stdout
+
+
+@pytest.mark.slow
+def test_pipeline_seeds_example_prints_the_accuracy(tmp_path):
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "pipeline_seeds.py"), "v2", "0", "--epochs", "1"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "v2 seed=0 val_acc=" in result.stdout
