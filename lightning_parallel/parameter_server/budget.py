@@ -13,12 +13,7 @@ first shard's server therefore holds the epoch as one pool of batches:
    likely a fast one, gets them: a straggler does not keep everyone waiting at the epoch end
    for batches it reserved early;
 4. when the pool is empty, replies say ``EPOCH_OVER``: a worker finishes the batches it holds
-   and drains. The epoch processes exactly Σ batches, however they are spread;
-5. the tail: each worker's step time ``T_w`` is measured between its requests. When the
-   others would finish what is left (the pool and the ``h`` batches ``w`` holds) sooner than
-   ``w`` would finish one more batch, ``T_w > (pool + h + 1) / Σ_{v≠w} 1/T_v``, ``w`` gets no
-   new batch, its held ones go back to the pool and it drains: the epoch does not end on a
-   straggler's last batch (every worker still trains at least one batch per epoch).
+   and drains. The epoch processes exactly Σ batches, however they are spread.
 
 A run limit (``max_steps`` × world size × accumulation) caps the batches of the whole run the
 same way and raises ``RUN_OVER``.
@@ -51,8 +46,6 @@ class EpochBudget:
         self._begun: set[int] = set()
         self._granted_to: dict[int, int] = {}
         self._own: dict[int, int] = {}
-        self._step_seconds: dict[int, float] = {}  # smoothed time between a worker's requests
-        self._last_request: dict[int, float] = {}
 
     def available(self, worker: int | None = None) -> int:
         """Batches that can still be granted in this epoch (to ``worker``, unless shared)."""
@@ -84,44 +77,16 @@ class EpochBudget:
             self._refund(worker, self._granted_to.get(worker, 0))
         return self._grant(worker, max(1, want), at_least=1)
 
-    def grant(
-        self, worker: int, want: int, held: int = 0, now: float | None = None
-    ) -> tuple[int, ReplyFlag]:
+    def grant(self, worker: int, want: int, held: int = 0) -> tuple[int, ReplyFlag]:
         """Grant ``worker`` up to ``want`` more batches; it holds ``held`` unused ones.
 
         With the pool empty, the ``held`` batches are taken back instead: the grant is
-        ``-held`` and they return to the pool for whoever asks next. ``now`` (seconds, any
-        clock) times the worker's steps for the tail rule; without it the rule is off.
+        ``-held`` and they return to the pool for whoever asks next.
         """
-        if now is not None:
-            self._observe(worker, now)
         if self.share and self.epoch_open and held > 0 and self.available() == 0:
             self._refund(worker, held)
             return -held, self.flags(worker)
-        if self.share and self.epoch_open and self._others_finish_sooner(worker, held):
-            if held > 0:
-                self._refund(worker, held)
-            return -held, self.flags(worker) | ReplyFlag.EPOCH_OVER
         return self._grant(worker, max(0, want), at_least=0)
-
-    def _observe(self, worker: int, now: float) -> None:
-        last = self._last_request.get(worker)
-        self._last_request[worker] = now
-        if last is None or now <= last:
-            return
-        seconds = now - last
-        previous = self._step_seconds.get(worker)
-        self._step_seconds[worker] = seconds if previous is None else 0.7 * previous + 0.3 * seconds
-
-    def _others_finish_sooner(self, worker: int, held: int) -> bool:
-        """Whether the other workers would finish what is left (the pool and the batches
-        ``worker`` holds) before ``worker`` finished one more batch."""
-        mine = self._step_seconds.get(worker)
-        others = [t for w, t in self._step_seconds.items() if w != worker and t > 0]
-        left = self.available(worker) + held
-        if mine is None or not others or left == 0:
-            return False
-        return mine > (left + 1) / sum(1.0 / t for t in others)
 
     def _refund(self, worker: int, count: int) -> None:
         self.pool += count
@@ -142,7 +107,6 @@ class EpochBudget:
     def close_epoch(self) -> None:
         """Every worker drained: the next ``begin`` opens a new epoch."""
         self.epoch_open = False
-        self._last_request.clear()  # validation and the epoch end are not a step
 
     def _grant(self, worker: int, want: int, at_least: int) -> tuple[int, ReplyFlag]:
         # at_least lets every worker train at least one batch per epoch, so that all ranks

@@ -356,7 +356,7 @@ class ShardServer:
     def _grant(self, worker: int, want: int, held: int) -> tuple[int, ReplyFlag]:
         if self.budget is None:
             return 0, ReplyFlag.NONE
-        return self.budget.grant(worker, want, held, now=self._clock())
+        return self.budget.grant(worker, want, held)
 
     def _weights(self) -> Tensor:
         # One read-only snapshot per version: sends may still be reading it while the next

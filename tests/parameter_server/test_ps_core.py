@@ -373,25 +373,3 @@ def test_lr_scale_multiplies_every_update_and_auto_is_softsync_over_workers():
 
     strategy = ParameterServerStrategy(softsync=2, lr_scale="auto")
     assert strategy.lr_scale_auto and strategy.policy.lr_scale == 1.0  # resolved at setup
-
-
-def test_budget_tail_leaves_the_last_batches_to_faster_workers():
-    """T_slow > (pool + held + 1) / sum(1/T_others): no new batch, held ones refunded."""
-    budget = EpochBudget()
-    budget.begin(0, 10, 1)
-    budget.begin(1, 10, 1)
-    budget.grant(0, 1, 0, now=0.0)
-    budget.grant(0, 1, 0, now=1.0)  # worker 0: one batch per second
-    budget.grant(1, 1, 0, now=0.0)
-    budget.grant(1, 1, 0, now=3.0)  # worker 1: three seconds per batch
-    while budget.pool > 3:
-        budget.grant(0, 1, 0)
-    # pool 3: worker 0 alone needs (3 + 0 + 1) / 1 = 4 s > 3 s: worker 1 still gets one
-    assert budget.grant(1, 1, 0, now=6.0)[0] == 1 and budget.pool == 2
-    # pool 2, worker 1 holding 1: (2 + 1 + 1) / 1 = 4 s > 3 s: still granted
-    assert budget.grant(1, 1, 1, now=9.0)[0] == 1 and budget.pool == 1
-    # pool 1, holding 1: (1 + 1 + 1) / 1 = 3 s, not above 3 s... one second later it is
-    granted, flags = budget.grant(1, 1, 1, now=13.0)  # T = 0.7 * 3 + 0.3 * 4 = 3.3 s
-    assert granted == -1 and ReplyFlag.EPOCH_OVER in flags and budget.pool == 2
-    assert budget.grant(0, 2, 0)[0] == 2  # the fast worker takes the rest
-    assert budget.granted == 20  # every batch of the epoch is granted exactly once
