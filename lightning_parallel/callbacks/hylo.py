@@ -67,7 +67,10 @@ class HyloCompression(Callback):
         threshold_factor: 2-bit threshold in units of the mean absolute gradient.
         min_compress_numel: parameters with fewer values are sent uncompressed.
         warmup_steps: optimizer steps averaged uncompressed first.
-        exchange: ``"two_phase"`` (bytes per rank flat in the world size) or ``"allgather"``.
+        exchange: ``"auto"`` (default: ``"allgather"`` with 2 ranks, where it sends the same
+            bytes as the two-phase exchange and quantizes once instead of twice;
+            ``"two_phase"`` with more), ``"two_phase"`` (bytes per rank flat in the world size)
+            or ``"allgather"``.
         cost_model: decide per layer whether compression pays, after ``calibration_steps``
             compressed steps.
         bandwidth: link bandwidth in bits per second for the cost model (``None``: measured
@@ -97,7 +100,7 @@ class HyloCompression(Callback):
         threshold_factor: float = 1.0,
         min_compress_numel: int = 8192,
         warmup_steps: int = 0,
-        exchange: str = "two_phase",
+        exchange: str = "auto",
         cost_model: bool = True,
         bandwidth: float | None = None,
         calibration_steps: int = 2,

@@ -53,7 +53,7 @@ from lightning_parallel.compression.two_bit import TwoBitQuantizer
 
 __all__: list[str] = []
 
-TWO_BIT_EXCHANGES = ("two_phase", "allgather")
+TWO_BIT_EXCHANGES = ("auto", "two_phase", "allgather")
 _ALIGN = 8  # bytes: every payload segment starts aligned so it can be viewed as any dtype
 
 
@@ -150,7 +150,9 @@ class HyloExchange:
         memory: the workers' error-feedback residuals (keyed by parameter name).
         server_memory: the second residuals of the two-phase 2-bit exchange (keyed by parameter
             name and chunk).
-        two_bit_exchange: ``"two_phase"`` (bytes flat in ``W``) or ``"allgather"``.
+        two_bit_exchange: ``"two_phase"`` (bytes flat in ``W``), ``"allgather"``, or ``"auto"``
+            (``allgather`` at ``W = 2``, where both send the same bytes and allgather quantizes
+            once instead of twice; ``two_phase`` above).
         importance_dtype: dtype of the allreduced per-kernel norms (only their ranking matters).
         group: the process group (``None``: the default group).
     """
@@ -159,7 +161,7 @@ class HyloExchange:
         self,
         memory: ErrorFeedback,
         server_memory: ErrorFeedback,
-        two_bit_exchange: str = "two_phase",
+        two_bit_exchange: str = "auto",
         importance_dtype: torch.dtype = torch.bfloat16,
         group: Any = None,
     ) -> None:
@@ -193,6 +195,12 @@ class HyloExchange:
             self._workspaces[key] = buffer
         return buffer
 
+    def gathers_codes(self, world: int) -> bool:
+        """Whether 2-bit codes are allgathered (not two-phase) among ``world`` ranks."""
+        return self.two_bit_exchange == "allgather" or (
+            self.two_bit_exchange == "auto" and world <= 2
+        )
+
     def average(self, layers: list[LayerGradient]) -> dict[str, LayerReport]:
         """Replace every ``layer.gradient`` with the average over ranks; report costs per layer.
 
@@ -210,7 +218,7 @@ class HyloExchange:
         routes: dict[str, list[LayerGradient]] = {DENSE: [], KERNEL: [], TWO_BIT: [], GATHER: []}
         for layer in layers:
             route = layer.plan.route
-            if route == TWO_BIT and self.two_bit_exchange == "allgather":
+            if route == TWO_BIT and self.gathers_codes(world):
                 route = GATHER
             routes[route].append(layer)
 

@@ -56,7 +56,8 @@ class HyloHook:
             (``ddp.module.named_parameters()``); names key the residuals in checkpoints.
         policy: which codec compresses which parameter (default :class:`HyloPolicy`).
         warmup_steps: optimizer steps averaged uncompressed first (plain allreduce).
-        two_bit_exchange: ``"two_phase"`` (bytes flat in the world size) or ``"allgather"``.
+        two_bit_exchange: ``"auto"`` (default), ``"two_phase"`` or ``"allgather"`` (see
+            :class:`~lightning_parallel.compression.HyloExchange`).
         cost_model: per-layer fallback to uncompressed when the codec costs more than it saves;
             ``None`` compresses every layer the policy names.
         calibration_steps: first compressed steps on which bandwidth and codec time are
@@ -80,7 +81,7 @@ class HyloHook:
         named_parameters: Iterable[tuple[str, nn.Parameter]],
         policy: HyloPolicy | None = None,
         warmup_steps: int = 0,
-        two_bit_exchange: str = "two_phase",
+        two_bit_exchange: str = "auto",
         cost_model: CostModel | None = None,
         calibration_steps: int = 2,
         process_group: Any = None,

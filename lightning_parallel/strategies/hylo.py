@@ -43,7 +43,7 @@ class HyloStrategy(DDPStrategy):
         threshold_factor: 2-bit threshold in units of the mean absolute gradient.
         min_compress_numel: parameters with fewer values are sent uncompressed.
         warmup_steps: optimizer steps averaged uncompressed first.
-        exchange: ``"two_phase"`` or ``"allgather"``.
+        exchange: ``"auto"`` (default), ``"two_phase"`` or ``"allgather"``.
         cost_model: per-layer fallback to uncompressed when compression does not pay.
         bandwidth: link bandwidth in bits per second for the cost model (``None``: measured).
         overlap: exchange on a background thread, overlapping the backward pass (``None``:
@@ -64,7 +64,7 @@ class HyloStrategy(DDPStrategy):
         threshold_factor: float | str = 1.0,
         min_compress_numel: int | str = 8192,
         warmup_steps: int | str = 0,
-        exchange: str = "two_phase",
+        exchange: str = "auto",
         cost_model: bool | str = True,
         bandwidth: float | str | None = None,
         overlap: bool | str | None = None,

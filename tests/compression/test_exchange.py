@@ -167,3 +167,17 @@ def test_bytes_per_rank_stay_flat_from_2_to_4_ranks() -> None:
     assert max(two) < 0.1 * dense_bytes and max(four) < 0.15 * dense_bytes
     # The allgather fallback grows with W - 1 (3x from 2 to 4 ranks).
     assert max(gather_four) / max(gather_two) > 2.5
+
+
+@pytest.mark.parametrize(("world", "same_as"), [(2, "allgather"), (3, "two_phase")])
+def test_auto_exchange_allgathers_at_two_ranks_and_goes_two_phase_above(
+    world: int, same_as: str
+) -> None:
+    """At W=2 both send the same bytes; allgather quantizes once (the average is exact)."""
+    codec = TwoBitQuantizer(threshold_factor=0.7)
+    plan = LayerPlan("fc.weight", (7, 13), TWO_BIT, codec)
+    auto = run_distributed(_run_exchange, world, [plan], "auto", torch.float32)
+    reference = run_distributed(_run_exchange, world, [plan], same_as, torch.float32)
+    for rank in range(world):
+        for step in range(STEPS):
+            assert torch.equal(auto[rank][step][0], reference[rank][step][0])
