@@ -296,16 +296,17 @@ class GroPipeStrategy(DDPStrategy):
         return max(self.world_size // self.stages, 1)
 
     @property
+    def _placement(self) -> PipelineTopology:
+        # groups * stages is always a valid world size: usable before the processes exist
+        return PipelineTopology(self.groups * self.stages, self.stages, self.placement)
+
+    @property
     def group_index(self) -> int:
-        if self.placement == "stage":
-            return self.global_rank % self.groups
-        return self.global_rank // self.stages
+        return self._placement.group_of(self.global_rank)
 
     @property
     def stage_index(self) -> int:
-        if self.placement == "stage":
-            return self.stages - 1 - self.global_rank // self.groups
-        return self.stages - 1 - self.global_rank % self.stages
+        return self._placement.stage_of(self.global_rank)
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
