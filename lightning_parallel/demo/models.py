@@ -20,6 +20,7 @@ from torchmetrics.classification import MulticlassAccuracy
 __all__: list[str] = []
 
 _OPTIMIZERS = ("sgd", "adamw")
+_SCHEDULES = ("constant", "cosine")
 
 
 class DemoClassifier(LightningModule):
@@ -34,6 +35,9 @@ class DemoClassifier(LightningModule):
         momentum: SGD momentum (ignored by AdamW).
         weight_decay: L2 penalty.
         optimizer: ``"sgd"`` or ``"adamw"``.
+        lr_schedule: ``"constant"`` or ``"cosine"``: the learning rate follows
+            ``lr·(1 + cos(π·t/T))/2`` over the fit's ``T`` optimizer steps
+            (``trainer.estimated_stepping_batches``), stepped after every batch.
     """
 
     def __init__(
@@ -44,10 +48,14 @@ class DemoClassifier(LightningModule):
         momentum: float = 0.9,
         weight_decay: float = 0.0,
         optimizer: str = "sgd",
+        lr_schedule: str = "constant",
     ) -> None:
         super().__init__()
         if optimizer not in _OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {_OPTIMIZERS}, got {optimizer!r}")
+        if lr_schedule not in _SCHEDULES:
+            raise ValueError(f"lr_schedule must be one of {_SCHEDULES}, got {lr_schedule!r}")
+        self.lr_schedule = lr_schedule
         if lr <= 0:
             raise ValueError(f"lr must be positive, got {lr}")
         if len(input_shape) != 3 or min(input_shape) < 1:
@@ -99,12 +107,27 @@ class DemoClassifier(LightningModule):
     def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         return self(batch[0]).argmax(dim=-1)
 
-    def configure_optimizers(self) -> torch.optim.Optimizer:
+    def configure_optimizers(self) -> Any:
+        optimizer: torch.optim.Optimizer
         if self.optimizer_name == "adamw":
-            return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=self.weight_decay)
-        return torch.optim.SGD(
-            self.parameters(), lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay
+            optimizer = torch.optim.AdamW(
+                self.parameters(), lr=self.lr, weight_decay=self.weight_decay
+            )
+        else:
+            optimizer = torch.optim.SGD(
+                self.parameters(),
+                lr=self.lr,
+                momentum=self.momentum,
+                weight_decay=self.weight_decay,
+            )
+        if self.lr_schedule == "constant":
+            return optimizer
+        total = max(1, int(self.trainer.estimated_stepping_batches))
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: 0.5 * (1.0 + math.cos(math.pi * min(step, total) / total))
         )
+        schedule = {"scheduler": scheduler, "interval": "step"}
+        return {"optimizer": optimizer, "lr_scheduler": schedule}
 
 
 def _conv_block(in_channels: int, out_channels: int, batch_norm: bool) -> nn.Sequential:

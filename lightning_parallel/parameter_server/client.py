@@ -12,6 +12,16 @@ One exchange (:meth:`ParameterClient.step`), for every shard k hosted on rank h_
 4. copy each shard's weights into the model's parameters and remember the version read, which
    goes with the next gradient so the server knows its staleness exactly.
 
+With ``overlap=True`` a step does not wait for its reply: the worker computes its next batch
+on the weights it already has while the gradient travels, is applied and the fresh weights
+travel back (Downpour SGD's overlap of communication with computation, Dean et al. 2012).
+Step t+1 then (a) waits for the reply of step t, (b) flattens its own gradient, computed on
+the weights of reply t−1, and tags it with that version, (c) loads the weights of reply t and
+(d) posts its request. One request per worker is in flight at most, so the server sees the
+same protocol; each gradient is computed on weights one exchange older (its staleness, still
+exact, grows by the updates of one exchange). Every other exchange (a budget claim, the
+epoch's drain, leaving) settles the step in flight first.
+
 The client also keeps this worker's share of the epoch budget (:meth:`take_batch`).
 """
 
@@ -20,6 +30,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -52,6 +63,17 @@ def _posted(*works: c10d.Work | None) -> list[c10d.Work]:
     return [work for work in works if work is not None]
 
 
+@dataclass
+class _Posted:
+    """An exchange whose requests have left: what to wait for to get its replies."""
+
+    kind: RequestKind
+    remote: list[tuple[int, list[c10d.Work], list[c10d.Work], list[Tensor]]] = field(
+        default_factory=list
+    )
+    local: list[int] = field(default_factory=list)
+
+
 class ParameterClient:
     """A worker's connection to all shards of the parameter server.
 
@@ -64,6 +86,7 @@ class ParameterClient:
         local_hosts: shard index → :class:`ShardHost` for shards hosted by this rank.
         lookahead: batches to keep granted ahead (prefetching takes one batch early, gradient
             accumulation takes several per step).
+        overlap: do not wait for a step's reply before computing the next batch (see above).
     """
 
     def __init__(
@@ -75,6 +98,7 @@ class ParameterClient:
         group: ProcessGroup,
         local_hosts: Mapping[int, ShardHost],
         lookahead: int = 2,
+        overlap: bool = False,
     ) -> None:
         self.rank = rank
         self.parameters = list(parameters)
@@ -83,6 +107,8 @@ class ParameterClient:
         self.group = group
         self.local_hosts = dict(local_hosts)
         self.lookahead = max(1, lookahead)
+        self.overlap = overlap
+        self._in_flight: _Posted | None = None
         dtype = self.parameters[0].dtype
         self.gradient = torch.zeros(layout.total, dtype=dtype)
         self._slices = [layout.elements_of(shard) for shard in range(layout.shards)]
@@ -145,15 +171,35 @@ class ParameterClient:
                 drained, with the epoch's final weights.
         """
         flags = RequestFlag.DRAIN if drain else RequestFlag.NONE
+        # the step in flight must be answered before its gradient buffer is reused
+        previous = self._collect(self._in_flight) if self._in_flight is not None else None
+        self._in_flight = None
         if has_gradient:
             flatten_gradients(self.gradient, self.parameters)
             flags |= RequestFlag.HAS_GRADIENT
             self.gradients_sent += 1
+        versions = list(self.read_versions)  # the weights this gradient was computed on
+        if previous is not None:
+            self._accept(RequestKind.STEP, previous)
         self.steps_this_epoch += 1
-        self._exchange(RequestKind.STEP, flags)
+        overlapped = self.overlap and not drain
+        # Until its reply is accepted the worker starts up to lookahead − 1 more batches (the
+        # data fetcher's prefetch, accumulation): those cannot be handed back to the pool.
+        reserve = self.lookahead - 1 if overlapped else 0
+        posted = self._post(RequestKind.STEP, flags, versions=versions, reserve=reserve)
+        if overlapped:
+            self._in_flight = posted
+        else:
+            self._accept(RequestKind.STEP, self._collect(posted))
         if drain:
             self.in_epoch = False
             self.epochs_drained += 1
+
+    def settle(self) -> None:
+        """Wait for the step in flight (``overlap``) and load its weights; no-op otherwise."""
+        if self._in_flight is not None:
+            posted, self._in_flight = self._in_flight, None
+            self._accept(RequestKind.STEP, self._collect(posted))
 
     def drain(self) -> None:
         """End the epoch without a gradient (the last step sent none)."""
@@ -171,25 +217,42 @@ class ParameterClient:
     # ------------------------------------------------------------------ exchange
 
     def _exchange(self, kind: RequestKind, flags: RequestFlag, epoch_batches: int = 0) -> None:
+        self.settle()
+        replies = self._collect(self._post(kind, flags, epoch_batches=epoch_batches))
+        if kind != RequestKind.LEAVE:
+            self._accept(kind, replies)
+
+    def _post(
+        self,
+        kind: RequestKind,
+        flags: RequestFlag,
+        epoch_batches: int = 0,
+        versions: Sequence[int] | None = None,
+        reserve: int = 0,
+    ) -> _Posted:
+        """Send the request to every shard, receives of the replies posted first.
+
+        ``reserve`` granted batches are not offered back to the pool (see :meth:`step`).
+        """
         start = time.perf_counter()
+        versions = self.read_versions if versions is None else versions
         want = max(0, self.lookahead - self.allowance) if kind != RequestKind.LEAVE else 0
-        remote: list[tuple[int, list[c10d.Work], list[c10d.Work], list[Tensor]]] = []
-        local: list[int] = []
+        posted = _Posted(kind)
         for shard, host in enumerate(self.hosts):
             first, stop = self._slices[shard]
             request = Request(
                 kind,
                 self.rank,
-                self.read_versions[shard],
+                versions[shard],
                 flags,
                 want if shard == 0 else 0,
                 epoch_batches if shard == 0 else 0,
                 self.gradient[first:stop] if RequestFlag.HAS_GRADIENT in flags else None,
-                self.allowance if shard == 0 else 0,
+                max(0, self.allowance - reserve) if shard == 0 else 0,
             )
             if host == self.rank:
                 self.local_hosts[shard].submit(request)
-                local.append(shard)
+                posted.local.append(shard)
                 continue
             receives: list[c10d.Work] = []
             if kind != RequestKind.LEAVE:
@@ -212,10 +275,16 @@ class ParameterClient:
                     )
                 )
                 self._bytes_sent += request.gradient.numel() * request.gradient.element_size()
-            remote.append((shard, receives, sends, [header]))
+            posted.remote.append((shard, receives, sends, [header]))
+        self.wait_seconds += time.perf_counter() - start  # a local shard applies in-line
+        return posted
+
+    def _collect(self, posted: _Posted) -> dict[int, Reply]:
+        """Wait for the sends and the replies of ``posted`` (none for ``LEAVE``)."""
+        start = time.perf_counter()
         replies: dict[int, Reply] = {}
         try:
-            for shard, receives, sends, _keep_alive in remote:
+            for shard, receives, sends, _keep_alive in posted.remote:
                 host = self.hosts[shard]
                 try:
                     for work in sends + receives:
@@ -230,14 +299,12 @@ class ParameterClient:
                     replies[shard] = Reply.from_header(
                         self.rank, self._headers[shard], self._weights[shard]
                     )
-            for shard in local:
-                if kind != RequestKind.LEAVE:
+            if posted.kind != RequestKind.LEAVE:
+                for shard in posted.local:
                     replies[shard] = self._wait_local(self.local_hosts[shard])
         finally:
             self.wait_seconds += time.perf_counter() - start
-        if kind == RequestKind.LEAVE:
-            return
-        self._accept(kind, replies)
+        return replies
 
     def _wait_local(self, host: ShardHost) -> Reply:
         while True:
@@ -261,6 +328,12 @@ class ParameterClient:
                 self.read_versions[shard] = reply.version
             if shard == 0:
                 self.allowance += reply.granted
+                if self.allowance < 0:
+                    raise RuntimeError(
+                        f"parameter server: worker rank {self.rank} was asked to return "
+                        f"{-reply.granted} batches it had already started (a budget protocol "
+                        "error); please report it"
+                    )
                 # the latest word counts: batches taken back from a worker (a negative grant)
                 # reopen the pool, and that worker must come back for them
                 self.epoch_over = ReplyFlag.EPOCH_OVER in reply.flags

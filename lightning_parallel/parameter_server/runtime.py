@@ -122,6 +122,8 @@ class ParameterServerRuntime:
             long :meth:`close` waits for the other workers to leave.
         run_batches: batches the whole run may take (``max_steps``), ``None`` for no limit.
         lookahead: batches each worker keeps granted ahead.
+        overlap: workers compute their next batch while a step's exchange is in flight
+            (:class:`ParameterClient`); needs unbounded staleness (``max_staleness=None``).
         keep_trace: record every gradient's (worker, staleness) on the shards (tests).
     """
 
@@ -135,6 +137,7 @@ class ParameterServerRuntime:
         timeout: float = 60.0,
         run_batches: int | None = None,
         lookahead: int = 2,
+        overlap: bool = False,
         keep_trace: bool = False,
     ) -> None:
         if not dist.is_initialized():
@@ -149,6 +152,12 @@ class ParameterServerRuntime:
             )
         if timeout <= 0:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+        if overlap and policy.max_staleness is not None:
+            raise ValueError(
+                "overlap=True computes every gradient on weights one exchange older, which "
+                "the SSP bound cannot account for; use max_staleness=None with overlap, or "
+                "overlap=False with a staleness bound"
+            )
         self.optimizer = optimizer
         self.policy = policy
         self.timeout = float(timeout)
@@ -186,7 +195,14 @@ class ParameterServerRuntime:
             server.statistics.keep_trace = keep_trace
             self.local_hosts[shard] = ShardHost(server, shard, self.rank, workers, self.group)
         self.client = ParameterClient(
-            self.rank, parameters, self.layout, self.hosts, self.group, self.local_hosts, lookahead
+            self.rank,
+            parameters,
+            self.layout,
+            self.hosts,
+            self.group,
+            self.local_hosts,
+            lookahead,
+            overlap=overlap,
         )
         for host in self.local_hosts.values():
             host.start()

@@ -80,6 +80,10 @@ class _Worker:
     status: WorkerStatus = WorkerStatus.IDLE
     read_version: int = 0
     weights_read: Tensor | None = None  # the exact weights it read (DC-ASGD's w_used)
+    # the read before that: a worker that overlaps its exchange (ParameterClient's
+    # ``overlap``) computes its gradient on it, and says so with the version in its request
+    previous_version: int = -1
+    previous_weights: Tensor | None = None
     want: int = 0
     held: int = 0
     staleness: int = -1  # staleness of its last consumed gradient, for the reply
@@ -201,9 +205,8 @@ class ShardServer:
         if RequestFlag.HAS_GRADIENT in request.flags:
             if request.gradient is None or request.gradient.numel() != self.weights.numel():
                 raise ValueError(f"worker rank {request.worker} sent a gradient of the wrong size")
-            pending = _Pending(
-                request.worker, worker.read_version, request.gradient, drain, worker.weights_read
-            )
+            read_version, weights_read = self._computed_on(request)
+            pending = _Pending(request.worker, read_version, request.gradient, drain, weights_read)
             self._pending.append(pending)
             worker.status = WorkerStatus.DRAIN_PENDING if drain else WorkerStatus.WAITING
             worker.waiting_since = self._clock()
@@ -365,10 +368,27 @@ class ShardServer:
             self._snapshot = self.weights.clone()
         return self._snapshot
 
+    def _computed_on(self, request: Request) -> tuple[int, Tensor | None]:
+        """The version (and DC-ASGD's weights) the request's gradient was computed on."""
+        worker = self._worker(request.worker)
+        if request.read_version == worker.read_version:
+            return worker.read_version, worker.weights_read
+        if request.read_version == worker.previous_version:
+            return worker.previous_version, worker.previous_weights
+        raise ValueError(
+            f"worker rank {request.worker} sent a gradient of version {request.read_version}, "
+            f"but read versions {worker.previous_version} and {worker.read_version} last"
+        )
+
     def _read(self, rank: int, granted: int, flags: ReplyFlag) -> Reply:
         worker = self._workers[rank]
         if worker.status != WorkerStatus.DRAINING:
             worker.status = WorkerStatus.COMPUTING
+        if worker.read_version != self.version:
+            worker.previous_version, worker.previous_weights = (
+                worker.read_version,
+                worker.weights_read,
+            )
         worker.read_version = self.version
         if self.policy.delay_compensation:
             worker.weights_read = self._weights()
@@ -435,3 +455,4 @@ class ShardServer:
         for worker in self._workers.values():
             worker.read_version = self.version
             worker.weights_read = None
+            worker.previous_version, worker.previous_weights = -1, None

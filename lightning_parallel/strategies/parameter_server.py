@@ -86,6 +86,9 @@ class ParameterServerStrategy(DDPStrategy):
         lr_scale: factor on the user's learning rate for every server update (default 1.0);
             ``"auto"``: ``softsync / world_size``, the step per sample of synchronous training
             (each update applies ``softsync`` gradients, not the mean of all workers').
+        overlap: compute the next batch while the step's gradient and the fresh weights are
+            on the wire (default ``False``): hides the exchange at the cost of one exchange of
+            staleness per gradient; needs ``max_staleness=None``.
         drop_staleness: drop gradients staler than this (default ``None``: keep all).
         staleness_decay: decay c of ``"exp"`` scaling (default 0.5).
         server_rank: global rank hosting the first shard (default 0; shard k is on
@@ -113,6 +116,7 @@ class ParameterServerStrategy(DDPStrategy):
         max_staleness: int | float | str | None = None,
         dc: float = 0.0,
         lr_scale: float | str = 1.0,
+        overlap: bool | str = False,
         drop_staleness: int | float | str | None = None,
         staleness_decay: float = 0.5,
         server_rank: int = 0,
@@ -137,6 +141,13 @@ class ParameterServerStrategy(DDPStrategy):
             lr_scale=1.0 if lr_scale == "auto" else float(lr_scale),
         )
         self.lr_scale_auto = lr_scale == "auto"
+        self.overlap = as_bool("overlap", overlap)
+        if self.overlap and self.policy.max_staleness is not None:
+            raise ValueError(
+                "overlap=True computes every gradient on weights one exchange older, which "
+                "the SSP bound cannot account for; drop max_staleness (unbounded) or set "
+                "overlap=False"
+            )
         if int(server_rank) != server_rank or server_rank < 0:
             raise ValueError(f"server_rank must be a global rank >= 0, got {server_rank!r}")
         if int(shards) != shards or shards < 1:
@@ -285,6 +296,7 @@ class ParameterServerStrategy(DDPStrategy):
             timeout=self.fault_timeout,
             run_batches=run_batches,
             lookahead=accumulate + 1,
+            overlap=self.overlap,
         )
         hooks = _ParameterServerHooks(self)
         callbacks: list[Callback] = trainer.callbacks  # type: ignore[attr-defined]

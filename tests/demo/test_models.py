@@ -1,4 +1,7 @@
+import math
+
 import pytest
+import pytorch_lightning as pl
 import torch
 from pytorch_lightning import Trainer
 from torch import nn
@@ -90,3 +93,30 @@ def test_deep_mlp_leaves_the_chance_plateau(tmp_path):
     )
     trainer.fit(model, data)
     assert trainer.callback_metrics["val_acc"] > 0.3
+
+
+def test_cosine_schedule_decays_the_learning_rate_to_zero_over_the_fit():
+    data = build_datamodule("digits", batch_size=32)
+    model = build_model("mlp", data, depth=1, lr=0.1, lr_schedule="cosine")
+    seen = []
+
+    class Watch(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            seen.append(trainer.optimizers[0].param_groups[0]["lr"])
+
+    trainer = Trainer(
+        max_epochs=2,
+        limit_train_batches=4,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[Watch()],
+    )
+    trainer.fit(model, datamodule=data)
+    expected = [0.05 * (1 + math.cos(math.pi * t / 8)) for t in range(8)]
+    assert seen == pytest.approx(expected)
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.0)
+    with pytest.raises(ValueError, match="lr_schedule"):
+        build_model("mlp", lr_schedule="step")

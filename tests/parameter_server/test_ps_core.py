@@ -233,7 +233,7 @@ def test_drain_answers_only_when_every_worker_has_drained():
         _begin(server, worker)
     assert _push(server, 0, 0, torch.ones(2), drain=True) == []
     assert server.handle(Request(RequestKind.STEP, 1, 0, RequestFlag.DRAIN)) == []
-    replies = _push(server, 2, 1, torch.ones(2), drain=True)
+    replies = _push(server, 2, 0, torch.ones(2), drain=True)
     assert sorted(r.worker for r in replies) == [0, 1, 2]
     assert all(torch.equal(r.weights, torch.full((2,), -2.0)) for r in replies)
     assert all(server.status(w) == WorkerStatus.IDLE for w in range(3))
@@ -373,3 +373,19 @@ def test_lr_scale_multiplies_every_update_and_auto_is_softsync_over_workers():
 
     strategy = ParameterServerStrategy(softsync=2, lr_scale="auto")
     assert strategy.lr_scale_auto and strategy.policy.lr_scale == 1.0  # resolved at setup
+
+
+def test_gradient_of_the_read_before_last_is_compensated_against_those_weights():
+    """An overlapping worker tags its gradient with the version before its last read."""
+    server = _server(UpdatePolicy(delay_compensation=0.1), torch.zeros(1), lr=1.0)
+    _begin(server, 0)
+    _begin(server, 1)
+    (reply,) = _push(server, 1, 0, torch.ones(1))  # applied: w = -1, worker 1 reads version 1
+    assert reply.version == 1 and torch.equal(reply.weights, torch.full((1,), -1.0))
+    # computed on version 0 (w = 0) while the exchange was in flight: staleness 1 and
+    # DC-ASGD's g + λ·g⊙g⊙(w_now − w_read) = 2 + 0.1·4·(−1 − 0) = 1.6
+    (reply,) = _push(server, 1, 0, torch.full((1,), 2.0))
+    assert reply.staleness == 1
+    torch.testing.assert_close(reply.weights, torch.full((1,), -2.6))
+    with pytest.raises(ValueError, match="version 7"):
+        _push(server, 0, 7, torch.ones(1))

@@ -11,6 +11,7 @@ from torch import nn
 
 from lightning_parallel.parameter_server import ParameterServerRuntime, UpdatePolicy
 from lightning_parallel.parameter_server.data import BudgetedLoader
+from lightning_parallel.strategies.parameter_server import ParameterServerStrategy
 
 _DIM, _OUT, _BATCH = 6, 3, 8
 
@@ -28,12 +29,21 @@ def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _train(
-    rank, world, policy, steps, shards=1, delay=None, keep_trace=False, timeout=30.0, on_step=None
+    rank,
+    world,
+    policy,
+    steps,
+    shards=1,
+    delay=None,
+    keep_trace=False,
+    timeout=30.0,
+    on_step=None,
+    overlap=False,
 ):
     model = _model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
     runtime = ParameterServerRuntime(
-        optimizer, policy, shards=shards, timeout=timeout, keep_trace=keep_trace
+        optimizer, policy, shards=shards, timeout=timeout, keep_trace=keep_trace, overlap=overlap
     )
     runtime.client.begin_epoch(steps)
     for step in range(steps):
@@ -95,6 +105,60 @@ def test_max_staleness_zero_equals_synchronous_training(shards):
             rtol=0,
             atol=1e-6,
         )
+
+
+@pytest.mark.parametrize("shards", [1, 2])
+def test_overlap_computes_each_gradient_one_exchange_late_exactly(shards):
+    """One worker with overlap: update t applies the gradient taken at the weights of t − 1.
+
+    Reference: W₁ = opt(W₀, g(W₀)), W_{t+1} = opt(W_t, g(W_{t−1})); staleness 0 then 1.
+    """
+    world, steps = 2, 7
+
+    def fn(rank, world):
+        if rank == 1:  # the second rank only hosts shard 1 (or nothing) and leaves at once
+            model = _model()
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+            runtime = ParameterServerRuntime(
+                optimizer, UpdatePolicy(), shards=shards, keep_trace=True, overlap=True
+            )
+            runtime.client.begin_epoch(0)
+            runtime.client.drain()
+            trace = [host.server.statistics.trace for host in runtime.local_hosts.values()]
+            runtime.gather_state()
+            runtime.close()
+            return None, None, trace
+        return _train(
+            rank, world, UpdatePolicy(), steps, keep_trace=True, overlap=True, shards=shards
+        )
+
+    results = run_distributed(fn, world, timeout=90)
+    reference = _model()
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.2, momentum=0.9)
+    computed_on = [p.detach().clone() for p in reference.parameters()]
+    for step in range(steps):
+        before = [p.detach().clone() for p in reference.parameters()]
+        with torch.no_grad():  # the gradient of this step, taken at the weights of step − 1
+            for p, w in zip(reference.parameters(), computed_on):
+                p.copy_(w)
+        optimizer.zero_grad()
+        x, y = _batch(0, step)
+        nn.functional.cross_entropy(reference(x), y).backward()
+        with torch.no_grad():
+            for p, w in zip(reference.parameters(), before):
+                p.copy_(w)
+        optimizer.step()
+        computed_on = before
+    weights, _, trace = results[0]
+    for got, want in zip(weights, reference.parameters()):
+        torch.testing.assert_close(got, want.detach(), rtol=0, atol=1e-6)
+    staleness = [s for worker, s in trace[0] if worker == 0]
+    assert staleness == [0] + [1] * (steps - 1)
+
+
+def test_overlap_with_a_staleness_bound_is_refused():
+    with pytest.raises(ValueError, match="max_staleness"):
+        ParameterServerStrategy(overlap=True, max_staleness=2)
 
 
 def test_ssp_bound_holds_with_a_straggler():

@@ -95,13 +95,17 @@ def _vector(model):
     return torch.nn.utils.parameters_to_vector(model.parameters()).detach()
 
 
-def test_fit_shares_the_epoch_and_reports_telemetry(tmp_path):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_fit_shares_the_epoch_and_reports_telemetry(tmp_path, overlap):
+    """Every batch of the shared budget is trained once, with or without overlapped exchanges
+    (an overlapped step must not hand back batches its worker already started)."""
     stats = CommStats(log=False)
     record = _Record(tmp_path, stats, slow_rank=1, delay=0.05)
     model = _Tiny(samples=128)
     before = _vector(model).clone()
     trainer = _trainer(
-        ParameterServerStrategy(staleness="inverse", start_method="fork"), callbacks=[stats, record]
+        ParameterServerStrategy(staleness="inverse", overlap=overlap, start_method="fork"),
+        callbacks=[stats, record],
     )
     trainer.fit(model)
     assert not torch.equal(_vector(model), before)
