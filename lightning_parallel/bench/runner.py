@@ -132,12 +132,21 @@ def summarize(
     steps = int(lead["steps"])
     warmup = min(config.warmup_steps, max(0, len(lead["step_seconds"]) - 1))
     steady = [t for r in records for t in r["step_seconds"][warmup:]]
-    samples_per_s = 0.0
+    per_rank: list[dict[str, Any]] = []
     for record in records:
         seconds = sum(record["step_seconds"][warmup:])
         count = len(record["step_seconds"][warmup:])
         per_step = record["samples"] / max(1, len(record["step_seconds"]))
-        samples_per_s += per_step * count / seconds if seconds > 0 else 0.0
+        per_rank.append(
+            {
+                "rank": record["rank"],
+                "steps": len(record["step_seconds"]),
+                "samples_per_s": per_step * count / seconds if seconds > 0 else 0.0,
+                "step_seconds_sum": sum(record["step_seconds"]),
+                "train_seconds": record["train_seconds"],
+            }
+        )
+    samples_per_s = sum(rank["samples_per_s"] for rank in per_rank)
     hosts = sorted({r["node_rank"] for r in records})
     wire = [
         r["tx_bytes"] / steps for r in records if r["local_rank"] == 0 and r["tx_bytes"] is not None
@@ -191,6 +200,7 @@ def summarize(
             "comm_hook_calls": lead.get("hook_calls"),
             "straggler_delay_s": max(r["straggler_delay_s"] for r in records),
             "torch_threads": max(r["torch_threads"] for r in records),
+            "per_rank": per_rank,
             "gauges": gauges,
         },
     }
