@@ -51,8 +51,9 @@ class HyloCompression(Callback):
        falls with the layer's size (``conv_rate`` at 65536 parameters), chosen globally from
        allreduced per-kernel norms and allreduced densely;
     2. fully-connected weights: 2-bit codes ``{+s, -s, 0}`` for the values above
-       ``tau = threshold_factor * mean|g|`` (``s`` their mean magnitude), 16 per 32-bit word,
-       averaged by a two-phase compressed allreduce;
+       ``tau = threshold_factor * mean|g|`` (``s`` their mean magnitude), ``tau`` and ``s`` per
+       block of ``block_size`` values, 16 codes per 32-bit word, averaged by a two-phase
+       compressed allreduce;
     3. parameters of fewer than ``min_compress_numel`` values: one fused dense allreduce;
     4. what is not sent is kept per parameter (error feedback) and added next step;
     5. a cost model, calibrated on the first compressed steps, sends a layer uncompressed from
@@ -84,9 +85,11 @@ class HyloCompression(Callback):
             backward pass (``None``: on CPU yes, on CUDA no).
         reconstruction: what 2-bit codes decode to: ``"mean"`` (the mean magnitude of the
             values sent, default) or ``"threshold"`` (``tau``, Hylo's literal ``{+tau, -tau, 0}``).
+        block_size: values per 2-bit block, each with its own threshold and scale (default
+            512: 1.6% more bytes than one scale per tensor); ``None``: one per tensor.
         policy: a ready :class:`~lightning_parallel.compression.HyloPolicy`; overrides
             ``codec``, ``conv_rate``, ``fc_bits``, ``threshold_factor``, ``min_compress_numel``,
-            ``reconstruction``.
+            ``reconstruction``, ``block_size``.
 
     Attributes:
         hook: the :class:`~lightning_parallel.compression.HyloHook` once the fit started.
@@ -109,6 +112,7 @@ class HyloCompression(Callback):
         seed: int = 0,
         overlap: bool | None = None,
         reconstruction: str = "mean",
+        block_size: int | None = 512,
         policy: HyloPolicy | None = None,
     ) -> None:
         if exchange not in TWO_BIT_EXCHANGES:
@@ -132,6 +136,7 @@ class HyloCompression(Callback):
             threshold_factor=threshold_factor,
             min_compress_numel=min_compress_numel,
             reconstruction=reconstruction,
+            block_size=block_size,
         )
         self.warmup_steps = warmup_steps
         self.exchange = exchange

@@ -16,14 +16,15 @@ asynchronous collectives (so every round costs one latency, whatever the number 
 
 ``two_bit`` (fully-connected, :class:`~lightning_parallel.compression.TwoBitQuantizer`),
 two-phase compressed allreduce (as DeepSpeed's 1-bit allreduce; here with Hylo's codes):
-    1. every rank quantizes ``p = g + e`` with its own scale ``s`` (residual ``e <- p - Q(p)``),
-       pads the codes to ``W`` chunks of ``c`` values (``c`` a multiple of 16) and sends chunk
-       ``j`` with its ``s`` to rank ``j`` (``all_to_all``: a reduce-scatter of packed codes,
-       round 1);
+    1. every rank quantizes ``p = g + e`` with its own scales ``s``, one per block (residual
+       ``e <- p - Q(p)``), pads the codes to ``W`` chunks of ``c`` values (``c`` a multiple of
+       16 and of the block size, so chunks hold whole blocks) and sends chunk ``j`` with its
+       blocks' scales to rank ``j`` (``all_to_all``: a reduce-scatter of packed codes, round 1);
     2. rank ``j`` decodes the ``W`` codes of its chunk, averages them
        (``m = sum_i s_i * sign_i / W``), adds its second error-feedback residual
-       ``u = m + e2``, re-quantizes ``u`` (threshold ``factor * mean|u|``, ``e2 <- u - Q(u)``),
-       and allgathers its packed chunk with its scale (round 2); every rank decodes all chunks.
+       ``u = m + e2``, re-quantizes ``u`` (threshold ``factor * mean|u|`` per block,
+       ``e2 <- u - Q(u)``), and allgathers its packed chunk with its scales (round 2); every rank
+       decodes all chunks.
     Each rank sends ``2 (W-1)/W * n/16`` words: the bytes of an allreduce of the codes, flat in
     ``W``. With ``two_bit_exchange="allgather"`` the codes are allgathered instead (the simple
     fallback: ``(W-1) * n/16`` words, growing with ``W``).
@@ -85,10 +86,24 @@ def ring_allreduce_bytes(nbytes: float, world_size: int) -> float:
     return 2.0 * (world_size - 1) / world_size * nbytes
 
 
-def two_phase_chunk(numel: int, world_size: int) -> int:
-    """Values per rank's chunk in the two-phase exchange: a multiple of 16 covering ``numel``."""
+def two_phase_chunk(numel: int, world_size: int, align: int = 16) -> int:
+    """Values per rank's chunk in the two-phase exchange: a multiple of ``align``, ``W`` cover all.
+
+    ``align`` is 16 (whole packed words), or the 2-bit block size, so that every chunk holds
+    whole blocks and carries their scales with it.
+    """
     per_rank = math.ceil(numel / world_size)
-    return max(16, 16 * math.ceil(per_rank / 16))
+    return max(align, align * math.ceil(per_rank / align))
+
+
+def _chunk_scales(codec: TwoBitQuantizer, scales: Tensor, world: int, chunk: int) -> Tensor:
+    """``(W, scales per chunk)`` float32: each chunk's block scales (zero for padding blocks)."""
+    if codec.block_size is None:
+        return scales.reshape(1, 1).expand(world, 1).contiguous()
+    per_chunk = chunk // codec.block_size
+    padded = torch.zeros(world * per_chunk, dtype=torch.float32, device=scales.device)
+    padded[: scales.numel()] = scales
+    return padded.view(world, per_chunk)
 
 
 class _Clock:
@@ -370,12 +385,12 @@ class HyloExchange:
             assert isinstance(codec, TwoBitQuantizer)
             name = layer.plan.name
             p = self.memory.compensate_(name, layer.gradient)
-            chunk = two_phase_chunk(p.numel(), world)
+            chunk = two_phase_chunk(p.numel(), world, codec.block_size or 16)
             # The codes live in a zeroed buffer of W chunks: the padding stays code 0.
             codes = self._buffer(f"{name}/codes", (world * chunk,), torch.int8, p.device)
             _, scale = codec.quantize_(p, self._workspace(name, p), codes_out=codes)  # p: residual
             words = pack_2bit(codes.view(torch.uint8).view(world, chunk))  # (W, chunk / 16)
-            scale_bits = scale.reshape(1, 1).expand(world, 1).contiguous().view(torch.int32)
+            scale_bits = _chunk_scales(codec, scale, world, chunk).view(torch.int32)
             rows.append(torch.cat([scale_bits, words], dim=1))
             chunks.append(chunk)
             clock.lap(name, "encode")
@@ -404,28 +419,42 @@ class HyloExchange:
             codec = layer.plan.codec
             assert isinstance(codec, TwoBitQuantizer)
             words = chunk // 16
-            scales = received[:, offset].contiguous().view(torch.float32).tolist()  # W floats
+            per_chunk = 1 if codec.block_size is None else chunk // codec.block_size
+            block_scales = received[:, offset : offset + per_chunk].contiguous()
+            block_scales = block_scales.view(torch.float32)  # (W, scales per chunk)
             # (W, chunk) int8: row i holds rank i's codes of the chunk this rank owns
             key = f"{layer.plan.name}@chunk{rank}of{world}"
             buffer = self._buffer(f"{key}/signs", (world, 16 * words), torch.int8, received.device)
-            block = received[:, offset + 1 : offset + 1 + words]
+            block = received[:, offset + per_chunk : offset + per_chunk + words]
             signs = codec.signs_from_words(block, chunk, out=buffer)
-            offset += 1 + words
+            offset += per_chunk + words
             mean = self._workspace(key, signs[0].to(torch.float32))
-            mean.copy_(signs[0]).mul_(scales[0])
-            if world > 1:
-                term = self._workspace(f"{key}/term", mean)
+            term = self._workspace(f"{key}/term", mean)
+            if codec.block_size is None:
+                scales = block_scales[:, 0].tolist()  # W floats
+                mean.copy_(signs[0]).mul_(scales[0])
                 for source in range(1, world):  # a loop over ranks; each step whole-tensor
                     mean.add_(term.copy_(signs[source]), alpha=scales[source])
+            else:
+                codec.dequantize(signs[0], block_scales[0], mean)
+                for source in range(1, world):  # a loop over ranks; each step whole-tensor
+                    mean.add_(codec.dequantize(signs[source], block_scales[source], term))
             mean.div_(world)
             s = self.server_memory.compensate_(key, mean)  # second error feedback
             valid = max(0, min(chunk, layer.gradient.numel() - rank * chunk))
-            server_codes, scale = codec.quantize_(
-                s, mean, tau=codec.threshold(s[:valid]), codes_out=buffer.view(-1)
-            )
-            scale_bits = scale.reshape(1).view(torch.int32)
+            codes_out = buffer.view(-1)
+            if codec.block_size is None:
+                _, scale = codec.quantize_(
+                    s, mean, tau=codec.threshold(s[:valid]), codes_out=codes_out
+                )
+            else:  # blocks of the valid values only (as the workers' last, partial block)
+                codes_out[valid:chunk].zero_()
+                _, scale = codec.quantize_(s[:valid], mean, codes_out=codes_out)
+            scale_rows = _chunk_scales(codec, scale, 1, chunk)
+            server_codes = codes_out[:chunk].view(torch.uint8)
+            scale_bits = scale_rows.reshape(per_chunk).view(torch.int32)
             pieces.append(torch.cat([scale_bits, pack_2bit(server_codes)]))
-            clock.reports[layer.plan.name].bytes_sent += (world - 1) * (1 + words) * 4
+            clock.reports[layer.plan.name].bytes_sent += (world - 1) * (per_chunk + words) * 4
             clock.lap(layer.plan.name, "decode")
         send = torch.cat(pieces)
         gathered = [torch.empty_like(send) for _ in range(world)]
@@ -442,20 +471,26 @@ class HyloExchange:
             codec = layer.plan.codec
             assert isinstance(codec, TwoBitQuantizer)
             words = chunk // 16
-            scales = gathered[:, offset].contiguous().view(torch.float32).tolist()
+            per_chunk = 1 if codec.block_size is None else chunk // codec.block_size
+            block_scales = gathered[:, offset : offset + per_chunk].contiguous()
+            block_scales = block_scales.view(torch.float32)  # (W, scales per chunk)
             # (W, chunk) int8: row j holds chunk j as re-quantized by its owner, rank j
             name = layer.plan.name
             shape = (world, 16 * words)
             buffer = self._buffer(f"{name}/decoded", shape, torch.int8, gathered.device)
-            block = gathered[:, offset + 1 : offset + 1 + words]
+            block = gathered[:, offset + per_chunk : offset + per_chunk + words]
             signs = codec.signs_from_words(block, chunk, out=buffer)
-            offset += 1 + words
+            offset += per_chunk + words
             numel = layer.gradient.numel()
             for owner in range(world):  # a loop over ranks; each step whole-tensor
                 start, stop = owner * chunk, min(numel, (owner + 1) * chunk)
                 if stop > start:
                     target = layer.gradient[start:stop]
-                    target.copy_(signs[owner, : stop - start]).mul_(scales[owner])
+                    owner_signs = signs[owner, : stop - start]
+                    if codec.block_size is None:
+                        target.copy_(owner_signs).mul_(float(block_scales[owner, 0]))
+                    else:
+                        codec.dequantize(owner_signs, block_scales[owner], target)
             clock.lap(layer.plan.name, "decode")
 
     # -- gather route (peer codecs, 2-bit allgather) ----------------------------------------

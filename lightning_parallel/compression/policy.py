@@ -102,6 +102,8 @@ class HyloPolicy:
         qsgd_levels: levels per sign of the ``"qsgd"`` peer codec.
         reconstruction: what 2-bit codes decode to: ``"mean"`` (the mean magnitude of the
             values sent) or ``"threshold"`` (``tau`` itself); see :class:`TwoBitQuantizer`.
+        block_size: values per 2-bit block, each with its own threshold and scale (a multiple
+            of 16), or ``None`` for one per tensor; see :class:`TwoBitQuantizer`.
 
     Example::
 
@@ -124,6 +126,7 @@ class HyloPolicy:
         topk_ratio: float = 0.01,
         qsgd_levels: int = 7,
         reconstruction: str = "mean",
+        block_size: int | None = 512,
     ) -> None:
         if codec not in CODEC_NAMES:
             raise ValueError(f"codec must be one of {CODEC_NAMES}, got {codec!r}")
@@ -141,7 +144,7 @@ class HyloPolicy:
         self.kernel_codec = KernelTopK(
             conv_rate, reference_numel, rate_exponent, min_rate, max_rate
         )
-        self.two_bit_codec = TwoBitQuantizer(threshold_factor, reconstruction)
+        self.two_bit_codec = TwoBitQuantizer(threshold_factor, reconstruction, block_size)
         self.dense_codec = NoCompression()
         options = {"topk_ratio": topk_ratio, "qsgd_levels": qsgd_levels}
         self.peer_codec = PEER_CODECS[codec](options) if codec in PEER_CODECS else None

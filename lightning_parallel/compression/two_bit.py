@@ -1,9 +1,11 @@
 """Hylo's fully-connected codec: 2-bit quantization with an adaptive threshold.
 
 Algorithm (Hylo, fully-connected layers; MXNet's ``2bit`` compression with a fixed threshold of
-0.5 is the nearest public form), for a compensated gradient ``p`` of ``n`` values:
+0.5 is the nearest public form), for a compensated gradient ``p`` of ``n`` values, cut into
+blocks of ``block_size`` consecutive values (the last one partial; ``block_size=None``: the whole
+tensor is one block), every block on its own:
 
-1. adaptive threshold: ``tau = threshold_factor * mean(|p|)`` (one reduction);
+1. adaptive threshold: ``tau = threshold_factor * mean(|p|)`` over the block (one reduction);
 2. code each value in 2 bits: ``+1`` if ``p_i >= tau``, ``-1`` if ``p_i <= -tau``, else ``0``;
 3. scale ``s`` of the sent values: with ``reconstruction="mean"`` (default) the mean magnitude
    of the values sent, ``s = mean(|p_i| : |p_i| >= tau)``, the least-squares best single
@@ -11,7 +13,8 @@ Algorithm (Hylo, fully-connected layers; MXNet's ``2bit`` compression with a fix
    ``tau = 0.7 * mean|p|``); with ``reconstruction="threshold"``, ``s = tau``, the literal
    ``{+tau, -tau, 0}`` of Hylo and MXNet;
 4. pack 16 codes per 32-bit word (:mod:`~lightning_parallel.compression.packing`): the payload is
-   ``n / 16`` words plus ``s``, 16x smaller than float32;
+   ``n / 16`` words plus one float32 ``s`` per block, ``16 / (1 + 16 / block_size)`` times
+   smaller than float32 (15.5x with blocks of 512, 16x with one block);
 5. decode: ``+s``, ``-s`` or ``0``; what is not represented (``p_i - decoded_i``) is kept by
    error feedback and sent in later steps.
 
@@ -21,6 +24,14 @@ Why ``"mean"`` by default: with ``s = tau``, a value far above the threshold del
 ranks, 3 epochs, ``s = tau`` reached 20-32% validation accuracy where ``"mean"`` reached
 81-86% (see ``docs/hylo.md``). ``threshold_factor = 1`` (rather than TWN's 0.7) did better in
 the same runs over two seeds (last-two-epoch accuracy 0.91 and 0.88 against 0.83 and 0.76).
+
+Why blocks (as QSGD's buckets, Alistarh et al. 2017): a fully-connected weight gradient is a
+sum of outer products ``delta a^T``, so its magnitudes vary by orders between rows (output units,
+dead ones behind a ReLU give all-zero rows) and between columns. One ``tau`` for the whole
+tensor codes the quiet rows all zero and gives the loud rows a scale far below their values.
+On ``vgg_mini``'s classifier gradients (digits), blocks of 512 cut the relative error
+``||Q(p) - p|| / ||p||`` of one quantization from 0.61-0.65 to 0.42-0.46, for 4 bytes per 512
+values (+1.6%); smaller blocks gain little more (0.40-0.44 at 64).
 """
 
 from __future__ import annotations
@@ -41,7 +52,7 @@ RECONSTRUCTIONS = ("mean", "threshold")
 
 
 class TwoBitQuantizer(Codec):
-    """Quantize to ``{+s, -s, 0}`` above the threshold ``tau = threshold_factor * mean(|p|)``.
+    """Quantize to ``{+s, -s, 0}`` above ``tau = threshold_factor * mean(|p|)``, per block.
 
     The 2-bit code of a value is the two's complement of its sign: ``0b01`` for ``+s``,
     ``0b11`` for ``-s``, ``0b00`` for ``0``, so decoding is a sign-extending shift on bytes.
@@ -53,17 +64,29 @@ class TwoBitQuantizer(Codec):
             sent, each carrying more).
         reconstruction: ``"mean"`` (``s`` = mean magnitude of the values sent) or
             ``"threshold"`` (``s = tau``).
+        block_size: values per block with their own ``tau`` and ``s`` (a multiple of 16, so
+            blocks are whole packed words); ``None``: one ``tau`` and ``s`` for the tensor.
 
     Example::
 
-        codec = TwoBitQuantizer()
-        encoded = codec.encode(linear.weight.grad)  # [int32 words, s]
+        codec = TwoBitQuantizer(block_size=512)
+        encoded = codec.encode(linear.weight.grad)  # [int32 words, s per block]
         estimate = codec.decode(encoded)  # values in {+s, -s, 0}
     """
 
     name: ClassVar[str] = "two_bit"
 
-    def __init__(self, threshold_factor: float = 1.0, reconstruction: str = "mean") -> None:
+    def __init__(
+        self,
+        threshold_factor: float = 1.0,
+        reconstruction: str = "mean",
+        block_size: int | None = None,
+    ) -> None:
+        if block_size is not None and (block_size < 16 or block_size % 16):
+            raise ValueError(
+                f"block_size must be a positive multiple of 16 (whole packed words), or None for "
+                f"one scale per tensor; got {block_size}"
+            )
         if threshold_factor <= 0:
             raise ValueError(f"threshold_factor must be a positive value, got {threshold_factor}")
         if reconstruction not in RECONSTRUCTIONS:
@@ -72,6 +95,62 @@ class TwoBitQuantizer(Codec):
             )
         self.threshold_factor = threshold_factor
         self.reconstruction = reconstruction
+        self.block_size = block_size
+
+    def blocks(self, numel: int) -> int:
+        """Number of scales sent for ``numel`` values (1 without blocks; the last block partial)."""
+        if self.block_size is None:
+            return 1
+        return max(1, math.ceil(numel / self.block_size))
+
+    def _segments(self, numel: int) -> list[tuple[int, int, int]]:
+        """``(start, rows, row_length)`` views covering ``numel`` values: full blocks, the tail."""
+        size = self.block_size if self.block_size is not None else max(numel, 1)
+        full = numel // size
+        segments = [(0, full, size)] if full else []
+        if numel - full * size:
+            segments.append((full * size, 1, numel - full * size))
+        return segments
+
+    def _quantize_blocks_(
+        self, compensated: Tensor, signs: Tensor, scales: Tensor, codes: Tensor
+    ) -> None:
+        """Block-wise :meth:`quantize_`: one ``tau`` and one ``s`` per block of values."""
+        for start, rows, length in self._segments(compensated.numel()):
+            stop = start + rows * length
+            p = compensated[start:stop].view(rows, length)
+            sign = signs[start:stop].view(rows, length)
+            first = start // self.block_size if self.block_size else 0
+            scale = scales[first : first + rows]
+            tau = torch.linalg.vector_norm(p, 1, dim=1, dtype=torch.float32)
+            tau.mul_(self.threshold_factor / length)
+            # An all-zero block: dividing by infinity codes every value 0 (no 0/0).
+            divisor = torch.where(tau > 0, tau, torch.full_like(tau, math.inf))
+            torch.div(p, divisor.unsqueeze(1), rounding_mode="trunc", out=sign)
+            sign.clamp_(-1.0, 1.0)
+            code = codes[start:stop].view(rows, length)
+            code.copy_(sign)
+            if self.reconstruction == "mean":
+                # Per block: sum(p * sign) / #sent. The count is taken on the int8 codes and the
+                # product in the sign workspace (restored from the codes): a batched dot or a
+                # float count_nonzero per block costs two to three times as much.
+                sent = code.abs().sum(dim=1, dtype=torch.int32).clamp_(min=1)
+                dots = torch.mul(p, sign, out=sign).sum(dim=1)
+                scale.copy_(dots / sent)
+                sign.copy_(code)
+            else:
+                scale.copy_(tau)
+            p.addcmul_(sign, scale.unsqueeze(1), value=-1.0)
+
+    def dequantize(self, signs: Tensor, scales: Tensor, out: Tensor) -> Tensor:
+        """Write ``sign_i * s_(block of i)`` into ``out`` (1-D, ``signs``' length) and return it."""
+        for start, rows, length in self._segments(out.numel()):
+            stop = start + rows * length
+            first = start // self.block_size if self.block_size else 0
+            target = out[start:stop].view(rows, length)
+            target.copy_(signs[start:stop].view(rows, length))
+            target.mul_(scales[first : first + rows].to(out.dtype).unsqueeze(1))
+        return out
 
     def threshold(self, tensor: Tensor) -> Tensor:
         """``tau = threshold_factor * mean(|tensor|)`` as a 0-dim float32 tensor."""
@@ -93,21 +172,27 @@ class TwoBitQuantizer(Codec):
             compensated: 1-D float tensor ``p``; on return it holds ``p - Q(p)``, the residual.
             workspace: optional float tensor of ``p``'s size, reused across steps (fresh large
                 allocations cost page faults on every step).
-            tau: the threshold; ``threshold(p)`` when ``None``.
+            tau: the threshold; ``threshold(p)`` when ``None`` (without blocks only: with
+                blocks every block computes its own).
             codes_out: optional ``int8`` buffer of at least ``n`` values for the codes.
 
         Returns:
             ``(codes, s)``: ``n`` codes (``uint8`` bytes whose low two bits are the 2-bit
             code: :func:`~lightning_parallel.compression.pack_2bit` keeps only those) and the
-            0-dim scale ``s`` the codes decode to.
+            scale the codes decode to: 0-dim without blocks, ``(blocks(n),)`` with blocks.
         """
         numel = compensated.numel()
-        tau = self.threshold(compensated) if tau is None else tau
-        value = float(tau)
         if codes_out is None:
             codes = torch.empty(numel, dtype=torch.int8, device=compensated.device)
         else:
             codes = codes_out[:numel]
+        if self.block_size is not None:
+            signs = workspace if workspace is not None else torch.empty_like(compensated)
+            scales = torch.zeros(self.blocks(numel), dtype=torch.float32, device=codes.device)
+            self._quantize_blocks_(compensated, signs[:numel], scales, codes)
+            return codes.view(torch.uint8), scales
+        tau = self.threshold(compensated) if tau is None else tau
+        value = float(tau)
         if value == 0.0:  # all-zero gradient: nothing to send, nothing to keep
             return codes.zero_().view(torch.uint8), tau
         signs = torch.div(compensated, value, rounding_mode="trunc", out=workspace)
@@ -141,10 +226,10 @@ class TwoBitQuantizer(Codec):
         return unpack_signed_2bit(words, numel, out)
 
     def encode(self, tensor: Tensor) -> Encoded:
-        """Payload ``[words (ceil(n/16),) int32, s (1,) float32]``."""
+        """Payload ``[words (ceil(n/16),) int32, s (blocks,) float32]`` (one ``s`` per block)."""
         codes, scale = self.quantize_(tensor.detach().reshape(-1).clone())
         return Encoded(
-            [pack_2bit(codes), scale.reshape(1)],
+            [pack_2bit(codes), scale.reshape(-1)],
             {"shape": tuple(tensor.shape), "dtype": tensor.dtype},
         )
 
@@ -152,6 +237,7 @@ class TwoBitQuantizer(Codec):
         """Dense tensor of ``+s``, ``-s`` and ``0``."""
         words, scale = encoded.payload
         shape = encoded.context["shape"]
-        signs = self.signs_from_words(words, math.prod(shape))
-        values = signs.to(encoded.context["dtype"]) * scale.reshape(())
-        return values.reshape(shape)
+        numel = math.prod(shape)
+        signs = self.signs_from_words(words, numel)
+        values = torch.empty(numel, dtype=encoded.context["dtype"], device=words.device)
+        return self.dequantize(signs, scale.reshape(-1), values).reshape(shape)

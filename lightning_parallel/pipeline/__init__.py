@@ -71,6 +71,7 @@ from lightning_parallel.pipeline.weight_prediction import (
     WeightPredictor,
     WeightStashing,
     make_weight_predictor,
+    staleness_learning_rate_scale,
 )
 
 __all__ = [
@@ -88,6 +89,7 @@ __all__ = [
     "WeightPredictor",
     "WeightStashing",
     "make_weight_predictor",
+    "staleness_learning_rate_scale",
     "RECOMPUTE_MODES",
     "Action",
     "BatchNormCommit",

@@ -45,6 +45,13 @@ Our additions:
 5. Online prediction error (:class:`PredictionErrorMeter`): when a micro-batch's gradient is
    applied, the distance between the weights its forward used and the live weights, relative to
    the live weights, next to the same distance for the unpredicted (stale) weights.
+6. Delay-scaled step (``learning_rate_scale="staleness"`` in :func:`make_weight_predictor`, any
+   option): a stage whose gradients are τ updates stale steps with ``ρ·η``, ρ the ratio of the
+   largest stable step of heavy ball with that delay (and this correction) to the synchronous
+   one (:func:`staleness_learning_rate_scale`): 0.071 for v2 and 0.026 without prediction at
+   τ = 1, μ = 0.9. Prediction alone cannot restore the margin: on a quadratic at μ = 0.9,
+   τ = 1 it raises the stable ``η·h`` from 0.10 to 0.27, where a synchronous update
+   tolerates 3.8.
 
 torch's ``SGD(momentum=μ, dampening=d)`` steps by ``η·buf`` with ``buf = (1-d)/(1-μ)·v`` when
 ``gamma = μ``: the paper's ``s·η·v`` then undershoots by ``1/(1-μ)`` (10x at μ=0.9), so
@@ -80,6 +87,77 @@ def _group_index(parameters: Sequence[nn.Parameter], optimizer: Optimizer | None
         return [0] * len(parameters)
     where = {id(p): g for g, group in enumerate(optimizer.param_groups) for p in group["params"]}
     return [where.get(id(p), -1) for p in parameters]
+
+
+def _delayed_radius(rates: Tensor, staleness: int, momentum: float, predicted: bool) -> Tensor:
+    """Spectral radius, per ``a = η·h``, of heavy ball on ``f = h·x²/2`` with delayed gradients.
+
+    State ``(x_t, ..., x_{t-τ-1}, η·buf_{t-1})``; the gradient applied at t is taken at
+    ``x̂ = x_{t-τ} + c·τ·(x_{t-τ} - x_{t-τ-1})`` (c = 1: SpecTrain's prediction along the last
+    step, c = 0: the stale weights).
+    """
+    tau, c = staleness, 1.0 if predicted else 0.0
+    size = tau + 3
+    maps = torch.zeros(len(rates), size, size, dtype=torch.float64)
+    a = rates.to(torch.float64)
+    # η·buf_t = μ·η·buf_{t-1} + a·x̂ ; x_{t+1} = x_t - η·buf_t
+    maps[:, 0, 0] = 1.0
+    maps[:, 0, tau] -= a * (1.0 + c * tau)
+    maps[:, 0, tau + 1] += a * c * tau
+    maps[:, 0, size - 1] -= momentum
+    maps[:, size - 1, tau] += a * (1.0 + c * tau)
+    maps[:, size - 1, tau + 1] -= a * c * tau
+    maps[:, size - 1, size - 1] = momentum
+    for j in range(1, tau + 2):
+        maps[:, j, j - 1] = 1.0
+    return torch.linalg.eigvals(maps).abs().amax(dim=-1)
+
+
+def staleness_learning_rate_scale(
+    staleness: int, momentum: float = 0.0, predicted: bool = False
+) -> float:
+    """Shrink a stale stage's learning rate to the share of the stable step its delay leaves.
+
+    1. Heavy ball (``buf ← μ·buf + g``, ``x ← x - η·buf``) on a quadratic of curvature ``h`` is
+       stable while ``η·h < 2(1+μ)``: the learning rate was tuned for that margin (sharpness
+       rises until it is used up, "edge of stability").
+    2. With the gradient ``τ`` updates stale the bound falls: for plain SGD to
+       ``2·sin(π/(2(2τ+1)))`` (1 for τ = 1), and momentum makes it far worse, ``1-μ`` for
+       τ = 1, 38 times below the synchronous bound at μ = 0.9: asynchrony acts as extra
+       momentum (Mitliagkas et al. 2016, "Asynchrony begets momentum"). SpecTrain's prediction
+       along the last step (``predicted``) widens it, 2.7 times at μ = 0.9, but stays 14 times
+       short.
+    3. Scale the stage's learning rate by the ratio of the two bounds, ``ρ = a*(τ, μ) / 2(1+μ)``
+       with ``a*`` the largest ``η·h`` for which the delayed recursion's spectral radius stays
+       below 1 (found numerically), so the stale stage keeps the synchronous stability margin
+       (PipeMare, Yang et al. 2021, likewise shrinks each stage's step with its delay). 1 when
+       τ = 0; 1/2 for τ = 1 without momentum; 0.026 (stale) and 0.071 (predicted) for τ = 1 at
+       μ = 0.9.
+
+    Args:
+        staleness: updates between a micro-batch's forward and its own update at this stage.
+        momentum: heavy-ball momentum μ (SGD's ``momentum``, Adam's ``β1``; the ratio does not
+            depend on dampening).
+        predicted: whether the pass runs on weights predicted along the momentum direction.
+    """
+    if staleness < 0:
+        raise ValueError(f"staleness must be >= 0, got {staleness}")
+    if not 0.0 <= momentum < 1.0:
+        raise ValueError(f"momentum must be in [0, 1), got {momentum}")
+    if staleness == 0:
+        return 1.0
+    synchronous = 2.0 * (1.0 + momentum)
+    grid = torch.linspace(0.0, synchronous, 2049)[1:]
+    unstable = (_delayed_radius(grid, staleness, momentum, predicted) >= 1.0).nonzero()
+    if len(unstable) == 0:
+        return 1.0
+    first = int(unstable[0])
+    low, high = (float(grid[first - 1]) if first else 0.0), float(grid[first])
+    for _ in range(40):
+        middle = (low + high) / 2.0
+        radius = _delayed_radius(torch.tensor([middle]), staleness, momentum, predicted)
+        low, high = (middle, high) if float(radius[0]) < 1.0 else (low, middle)
+    return low / synchronous
 
 
 class LearningRateForecast:
@@ -388,11 +466,18 @@ class WeightPredictor:
     ``forward_weights(b)`` → forward → ... → ``backward_weights(b)`` → backward →
     ``release(b)``; and around every optimizer update ``before_update()`` / ``after_update()``.
 
+    Every option can also shrink the stage's step (``learning_rate_scale``, see
+    :func:`staleness_learning_rate_scale`): around each update the optimizer's learning rates
+    are multiplied by the scale (``before_update``) and restored (``after_update``), so a
+    learning-rate scheduler still sees and sets the unscaled values.
+
     Args:
         parameters: the stage's trainable parameters.
         stage: this stage's index k (0-based).
         stages: the number of stages N.
         meter: optional online prediction-error meter.
+        optimizer: the optimizer updating the stage (needed when ``learning_rate_scale != 1``).
+        learning_rate_scale: factor in (0, 1] on the learning rate of this stage's updates.
     """
 
     name = "none"
@@ -405,6 +490,8 @@ class WeightPredictor:
         stage: int,
         stages: int,
         meter: PredictionErrorMeter | None = None,
+        optimizer: Optimizer | None = None,
+        learning_rate_scale: float = 1.0,
     ) -> None:
         if not 0 <= stage < stages:
             raise ValueError(f"stage must be in [0, {stages}), got {stage}")
@@ -415,6 +502,18 @@ class WeightPredictor:
         self.updates = 0
         self.stage_bytes = _nbytes(self.parameters)
         self._peak = 0
+        self.optimizer = optimizer
+        if not 0.0 < learning_rate_scale <= 1.0:
+            raise ValueError(
+                "learning_rate_scale must be a factor in (0, 1] (make_weight_predictor also "
+                f"takes 'staleness'), got {learning_rate_scale!r}"
+            )
+        self.learning_rate_scale = float(learning_rate_scale)
+        if self.learning_rate_scale != 1.0 and optimizer is None:
+            raise ValueError(
+                "learning_rate_scale != 1 needs the optimizer whose learning rates it scales"
+            )
+        self._unscaled: list[Any] | None = None
 
     @property
     def staleness(self) -> int:
@@ -436,10 +535,19 @@ class WeightPredictor:
             self.meter.resolve(micro_batch)
 
     def before_update(self) -> None:
-        """The live weights are about to change."""
+        """The live weights are about to change: scale the learning rates for this update."""
+        if self.learning_rate_scale != 1.0 and self.optimizer is not None:
+            groups = self.optimizer.param_groups
+            self._unscaled = [group["lr"] for group in groups]
+            for group, lr in zip(groups, self._unscaled):
+                group["lr"] = lr * self.learning_rate_scale
 
     def after_update(self) -> None:
         """The live weights changed; ``.grad`` still holds the gradient applied."""
+        if self._unscaled is not None and self.optimizer is not None:
+            for group, lr in zip(self.optimizer.param_groups, self._unscaled):
+                group["lr"] = lr
+            self._unscaled = None
         self.updates += 1
 
     def held_bytes(self) -> int:
@@ -482,8 +590,17 @@ class WeightStashing(WeightPredictor):
         stage: int,
         stages: int,
         meter: PredictionErrorMeter | None = None,
+        optimizer: Optimizer | None = None,
+        learning_rate_scale: float = 1.0,
     ) -> None:
-        super().__init__(parameters, stage=stage, stages=stages, meter=meter)
+        super().__init__(
+            parameters,
+            stage=stage,
+            stages=stages,
+            meter=meter,
+            optimizer=optimizer,
+            learning_rate_scale=learning_rate_scale,
+        )
         self._version_of: dict[int, int] = {}
         self._snapshots: dict[int, list[Tensor]] = {}
 
@@ -504,6 +621,7 @@ class WeightStashing(WeightPredictor):
             del self._snapshots[version]
 
     def before_update(self) -> None:
+        super().before_update()
         if self.updates in self._version_of.values() and self.updates not in self._snapshots:
             self._snapshots[self.updates] = [p.detach().clone() for p in self.parameters]
             self._note()
@@ -527,8 +645,17 @@ class DoubleBufferedWeights(WeightStashing):
         stage: int,
         stages: int,
         meter: PredictionErrorMeter | None = None,
+        optimizer: Optimizer | None = None,
+        learning_rate_scale: float = 1.0,
     ) -> None:
-        super().__init__(parameters, stage=stage, stages=stages, meter=meter)
+        super().__init__(
+            parameters,
+            stage=stage,
+            stages=stages,
+            meter=meter,
+            optimizer=optimizer,
+            learning_rate_scale=learning_rate_scale,
+        )
         self.update_period = stages
 
     @property
@@ -553,6 +680,9 @@ class SpecTrainPrediction(WeightPredictor):
         version: "v2" or "v1".
         meter: optional online prediction-error meter.
         groups: param-group index of each parameter (-1 = not optimized).
+        optimizer: the optimizer updating the stage (needed when ``learning_rate_scale != 1``).
+        learning_rate_scale: factor on this stage's learning rate (see :class:`WeightPredictor`);
+            the prediction moves by the scaled rates, as the updates will.
     """
 
     def __init__(
@@ -566,8 +696,17 @@ class SpecTrainPrediction(WeightPredictor):
         version: Literal["v2", "v1"] = "v2",
         meter: PredictionErrorMeter | None = None,
         groups: Sequence[int] | None = None,
+        optimizer: Optimizer | None = None,
+        learning_rate_scale: float = 1.0,
     ) -> None:
-        super().__init__(parameters, stage=stage, stages=stages, meter=meter)
+        super().__init__(
+            parameters,
+            stage=stage,
+            stages=stages,
+            meter=meter,
+            optimizer=optimizer,
+            learning_rate_scale=learning_rate_scale,
+        )
         if version not in ("v1", "v2"):
             raise ValueError(f"version must be 'v1' or 'v2', got {version!r}")
         self.name = version
@@ -582,8 +721,9 @@ class SpecTrainPrediction(WeightPredictor):
         self._stored: dict[int, list[Tensor]] = {}
 
     def predict(self, horizon: int) -> list[Tensor]:
-        """``Ŵ = W - (Σ_{j<horizon} η_{t+j})·direction`` for every parameter."""
-        sums = self.learning_rates.sums(horizon)
+        """``Ŵ = W - ρ·(Σ_{j<horizon} η_{t+j})·direction`` for every parameter (ρ: the
+        stage's learning-rate scale)."""
+        sums = [self.learning_rate_scale * eta for eta in self.learning_rates.sums(horizon)]
         predicted = []
         with torch.no_grad():
             for i, p in enumerate(self.parameters):
@@ -643,6 +783,16 @@ class SpecTrainPrediction(WeightPredictor):
             self.learning_rates._done_in_period = int(state["done_in_period"])
 
 
+def _heavy_ball_momentum(optimizer: Optimizer | None) -> float:
+    """The momentum μ of the optimizer's first param group (SGD's ``momentum``, Adam's β1)."""
+    if optimizer is None or not optimizer.param_groups:
+        return 0.0
+    group = optimizer.param_groups[0]
+    if "betas" in group:
+        return float(group["betas"][0])
+    return float(group.get("momentum", 0.0) or 0.0)
+
+
 def make_weight_predictor(
     mode: str,
     parameters: Sequence[nn.Parameter],
@@ -654,6 +804,7 @@ def make_weight_predictor(
     gamma: float | None = None,
     learning_rates: LearningRateForecast | None = None,
     error_sample: int | None = 4096,
+    learning_rate_scale: float | str = 1.0,
 ) -> WeightPredictor:
     """Build the predictor of one stage for ``mode`` in ``"v2" | "v1" | "stash" | "2bw" | "none"``.
 
@@ -671,17 +822,37 @@ def make_weight_predictor(
         gamma: smoothing factor; default the optimizer's momentum, else 0.9.
         learning_rates: forecast of the next learning rates; default the current ones.
         error_sample: coordinates sampled by the prediction-error meter; None disables it.
+        learning_rate_scale: factor on the stage's learning rate, or ``"staleness"`` for the
+            share of the stable step the stage's delay leaves under the optimizer's momentum
+            and this correction (:func:`staleness_learning_rate_scale`; 1 on the last stage).
     """
     if mode not in PREDICTION_MODES:
         raise ValueError(f"prediction must be one of {PREDICTION_MODES}, got {mode!r}")
     trainable = [p for p in parameters if p.requires_grad]
     meter = PredictionErrorMeter(trainable, error_sample) if error_sample else None
+    if learning_rate_scale == "staleness":
+        delay = (1 if stage < stages - 1 else 0) if mode == "2bw" else stages - stage - 1
+        learning_rate_scale = staleness_learning_rate_scale(
+            delay, _heavy_ball_momentum(optimizer), predicted=mode in ("v1", "v2")
+        )
+    elif isinstance(learning_rate_scale, str):
+        raise ValueError(
+            f"learning_rate_scale must be 'staleness' or a factor in (0, 1], got "
+            f"{learning_rate_scale!r}"
+        )
+    common: dict[str, Any] = {
+        "stage": stage,
+        "stages": stages,
+        "meter": meter,
+        "optimizer": optimizer,
+        "learning_rate_scale": learning_rate_scale,
+    }
     if mode == "none":
-        return WeightPredictor(trainable, stage=stage, stages=stages, meter=meter)
+        return WeightPredictor(trainable, **common)
     if mode == "stash":
-        return WeightStashing(trainable, stage=stage, stages=stages, meter=meter)
+        return WeightStashing(trainable, **common)
     if mode == "2bw":
-        return DoubleBufferedWeights(trainable, stage=stage, stages=stages, meter=meter)
+        return DoubleBufferedWeights(trainable, **common)
     if optimizer is None:
         raise ValueError(f"prediction={mode!r} needs the optimizer to read learning rates from")
     groups = _group_index(trainable, optimizer)
@@ -719,11 +890,9 @@ def make_weight_predictor(
         )
     return SpecTrainPrediction(
         trainable,
-        stage=stage,
-        stages=stages,
         direction=chosen,
         learning_rates=learning_rates or LearningRateForecast(optimizer),
         version=mode,  # type: ignore[arg-type]
-        meter=meter,
         groups=groups,
+        **common,
     )

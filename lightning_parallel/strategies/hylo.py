@@ -49,6 +49,8 @@ class HyloStrategy(DDPStrategy):
         overlap: exchange on a background thread, overlapping the backward pass (``None``:
             on CPU yes, on CUDA no).
         reconstruction: ``"mean"`` or ``"threshold"``: what 2-bit codes decode to.
+        block_size: values per 2-bit block with its own threshold and scale (default 512;
+            ``"none"``: one per tensor).
         start_method: ``"popen"``, ``"spawn"``, ``"fork"`` or ``"forkserver"`` (DDPStrategy's).
         **kwargs: passed to :class:`~pytorch_lightning.strategies.DDPStrategy`.
     """
@@ -69,6 +71,7 @@ class HyloStrategy(DDPStrategy):
         bandwidth: float | str | None = None,
         overlap: bool | str | None = None,
         reconstruction: str = "mean",
+        block_size: int | str | None = 512,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         **kwargs: Any,
     ) -> None:
@@ -90,6 +93,7 @@ class HyloStrategy(DDPStrategy):
             bandwidth=float(bandwidth) if bandwidth is not None else None,
             overlap=optional_bool("overlap", overlap),
             reconstruction=reconstruction,
+            block_size=None if block_size in (None, "none", "None") else int(block_size),
         )
 
     @property

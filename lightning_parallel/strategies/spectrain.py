@@ -8,7 +8,11 @@ independently right after each backward, and micro-batches stay in flight from o
 ``training_step`` to the next (:mod:`lightning_parallel.pipeline.noflush`), so the pipeline
 fills once per epoch instead of once per step. Stage ``k`` applies gradients ``N-k-1`` updates
 stale; ``prediction`` chooses the correction
-(:mod:`lightning_parallel.pipeline.weight_prediction`).
+(:mod:`lightning_parallel.pipeline.weight_prediction`), and by default a stale stage steps with
+the share ρ of the optimizer's learning rate that keeps the synchronous stability margin
+(``learning_rate_scale="staleness"``: a gradient τ = N-k-1 updates stale under momentum μ
+tolerates a far smaller step, ρ = 0.071 for v2 at τ = 1, μ = 0.9; prediction alone does not
+restore it).
 
 It reuses the ``gropipe`` integration (it subclasses :class:`GroPipeStrategy`): placement (the
 last stage of group 0 is global rank 0), partitioning, capture of the model input on stage 0,
@@ -188,6 +192,12 @@ class SpecTrainStrategy(GroPipeStrategy):
             for SGD with momentum, else the smoothed gradient), ``"smoothed_gradient"``,
             ``"momentum_buffer"`` or ``"adam"``.
         gamma: smoothing of the gradient (default: the optimizer's momentum, else 0.9).
+        learning_rate_scale: ``"staleness"`` (stage ``k`` multiplies its learning rate by the
+            ratio of the largest stable step of heavy ball with its delay τ_k = N-k-1 and this
+            ``prediction`` to the synchronous one, 1 on the last stage; 0.071 for v2 and 0.026
+            for ``"none"`` at τ = 1 and momentum 0.9, see ``staleness_learning_rate_scale`` in
+            :mod:`~lightning_parallel.pipeline.weight_prediction`), ``"none"``/``None``/1
+            (every stage at the optimizer's rate) or a factor in (0, 1] for every stale stage.
         partition: ``"auto"``, ``"even"`` or the ``N-1`` stage boundaries (see ``gropipe``).
         error_sample: coordinates per stage the online prediction error samples (0: off).
         timeline_path: write the measured timeline of the last ``timeline_steps`` steps there
@@ -210,6 +220,7 @@ class SpecTrainStrategy(GroPipeStrategy):
         learning_rates: str = "schedule",
         direction: str = "auto",
         gamma: float | None = None,
+        learning_rate_scale: str | float | None = "staleness",
         partition: str | Sequence[int] = "auto",
         error_sample: int = 4096,
         timeline_path: str | None = None,
@@ -238,6 +249,15 @@ class SpecTrainStrategy(GroPipeStrategy):
             )
         if gamma is not None and not 0.0 <= gamma < 1.0:
             raise ValueError(f"gamma must be in [0, 1), got {gamma}")
+        if learning_rate_scale is None or learning_rate_scale == "none":
+            learning_rate_scale = 1.0
+        if learning_rate_scale != "staleness" and (
+            isinstance(learning_rate_scale, str) or not 0.0 < float(learning_rate_scale) <= 1.0
+        ):
+            raise ValueError(
+                "learning_rate_scale must be 'staleness', 'none' or a factor in (0, 1], got "
+                f"{learning_rate_scale!r}"
+            )
         if error_sample < 0:
             raise ValueError(f"error_sample must be >= 0 (0 turns it off), got {error_sample}")
         super().__init__(
@@ -262,6 +282,7 @@ class SpecTrainStrategy(GroPipeStrategy):
         self.learning_rates = learning_rates
         self.direction = direction
         self.gamma = gamma
+        self.learning_rate_scale = learning_rate_scale
         self.error_sample = error_sample
         self.last_mirrored: _Mirrored | None = None
         self._noflush: NoFlushPipeline | None = None
@@ -333,6 +354,12 @@ class SpecTrainStrategy(GroPipeStrategy):
             per_step *= max(int(trainer.num_training_batches), 1)
         return ScheduledLearningRate(optimizer, config.scheduler, per_step)  # type: ignore[arg-type]
 
+    def _stage_learning_rate_scale(self, stage: int) -> float | str:
+        """The factor on stage ``stage``'s learning rate (a float applies to stale stages)."""
+        if self.learning_rate_scale == "staleness" or stage == self.stages - 1:
+            return "staleness"  # 1 on the last stage
+        return float(self.learning_rate_scale)
+
     def _ensure_noflush(self, count: int) -> NoFlushPipeline:
         if self._noflush is not None:
             return self._noflush
@@ -353,6 +380,7 @@ class SpecTrainStrategy(GroPipeStrategy):
             gamma=self.gamma,
             learning_rates=self._forecast(optimizer, count),
             error_sample=self.error_sample or None,
+            learning_rate_scale=self._stage_learning_rate_scale(k),
         )
 
         def before_update(parameters: list[nn.Parameter]) -> None:

@@ -175,6 +175,9 @@ def test_hylo_strategy_is_registered_and_attaches_the_callback() -> None:
     trainer, _ = _fit([], strategy=strategy, max_epochs=1)
     assert trainer.callback_metrics["hylo/hook_calls"].item() >= 4
     assert trainer.callback_metrics["hylo/steps"].item() == 4
+    # the command line's strings reach the 2-bit codec's block size
+    assert HyloStrategy(block_size="64").hylo.policy.two_bit_codec.block_size == 64
+    assert HyloStrategy(block_size="none").hylo.policy.two_bit_codec.block_size is None
 
 
 @pytest.mark.parametrize("codec", ["topk", "qsgd", "terngrad", "signsgd"])
@@ -209,6 +212,10 @@ def test_bad_arguments_raise_at_construction() -> None:
         HyloCompression(exchange="ring")
     with pytest.raises(ValueError, match="fc_bits"):
         HyloCompression(fc_bits=4)
+    with pytest.raises(ValueError, match="block_size"):
+        HyloCompression(block_size=100)
+    assert HyloCompression().policy.two_bit_codec.block_size == 512
+    assert HyloCompression(block_size=None).policy.two_bit_codec.block_size is None
     with pytest.raises(ValueError, match="ddp_comm_hook"):
         HyloStrategy(ddp_comm_hook=lambda state, bucket: None)
 

@@ -103,6 +103,46 @@ def test_two_phase_two_bit_allreduce_equals_the_hand_computation(
             assert torch.equal(results[rank][step][0], results[0][step][0])  # all ranks agree
 
 
+def _quantize_blocks(p: torch.Tensor, block: int, factor: float) -> torch.Tensor:
+    """Block-wise 2-bit by hand: every ``block`` values (the last one partial) on their own."""
+    pieces = [_quantize(piece, factor * piece.abs().mean(), "mean") for piece in p.split(block)]
+    return torch.cat(pieces) if pieces else torch.zeros(0)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_block_scaled_two_phase_allreduce_equals_the_hand_computation(world: int) -> None:
+    """Chunks hold whole blocks; workers and owners quantize per block with its own scale."""
+    block, factor = 32, 0.7
+    codec = TwoBitQuantizer(threshold_factor=factor, block_size=block)
+    plan = LayerPlan("fc.weight", (9, 23), TWO_BIT, codec)  # 207 values: partial last block
+    results = run_distributed(_run_exchange, world, [plan], "two_phase", torch.float32)
+    numel = 9 * 23
+    chunk = two_phase_chunk(numel, world, block)
+    assert chunk % block == 0
+    workers = [torch.zeros(numel) for _ in range(world)]
+    owners = [torch.zeros(chunk) for _ in range(world)]
+    for step in range(STEPS):
+        mean = torch.zeros(chunk * world)
+        for rank in range(world):
+            compensated = _gradient(plan.shape, rank, step, 0).reshape(-1) + workers[rank]
+            sent = _quantize_blocks(compensated, block, factor)
+            workers[rank] = compensated - sent
+            mean[:numel] += sent
+        mean /= world
+        expected = torch.zeros(chunk * world)
+        for owner in range(world):
+            u = mean[owner * chunk : (owner + 1) * chunk] + owners[owner]
+            valid = max(0, min(chunk, numel - owner * chunk))
+            q = torch.zeros(chunk)
+            q[:valid] = _quantize_blocks(u[:valid], block, factor)
+            owners[owner] = u - q
+            expected[owner * chunk : (owner + 1) * chunk] = q
+        for rank in range(world):
+            torch.testing.assert_close(
+                results[rank][step][0], expected[:numel], rtol=1e-5, atol=1e-6
+            )
+
+
 def test_kernel_selection_is_global_and_selected_kernels_are_averaged_exactly() -> None:
     world = 2
     codec = KernelTopK(conv_rate=0.25, rate_exponent=0.0)

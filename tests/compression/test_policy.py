@@ -49,6 +49,14 @@ def test_hylo_policy_by_layer_type_and_size() -> None:
     assert plans["4.weight"].numel == 8192 and plans["4.weight"].compressed
 
 
+def test_two_bit_blocks_of_512_by_default_and_one_scale_per_tensor_on_request() -> None:
+    assert HyloPolicy().two_bit_codec.block_size == 512
+    assert HyloPolicy(block_size=None).two_bit_codec.block_size is None
+    plans = HyloPolicy(min_compress_numel=4096, block_size=64).plan(_model().named_parameters())
+    codec = plans["4.weight"].codec
+    assert isinstance(codec, TwoBitQuantizer) and codec.block_size == 64
+
+
 def test_fc_bits_32_leaves_linear_layers_uncompressed() -> None:
     plans = HyloPolicy(min_compress_numel=4096, fc_bits=32).plan(_model().named_parameters())
     assert plans["4.weight"].route == "dense"
@@ -81,6 +89,7 @@ def test_frozen_parameters_get_no_plan() -> None:
         ({"codec": "zip"}, "codec must be one of"),
         ({"fc_bits": 8}, "fc_bits must be 2"),
         ({"min_compress_numel": 0}, "min_compress_numel"),
+        ({"block_size": 100}, "block_size must be a positive multiple of 16"),
     ],
 )
 def test_bad_policy_arguments_raise(kwargs: dict[str, object], message: str) -> None:

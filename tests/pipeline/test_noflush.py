@@ -116,17 +116,26 @@ def _replay(
     units_data: list[Any],
     boundaries: list[int] | None = None,
     clip_norm: float | None = None,
+    learning_rate_scale: float | str = 1.0,
 ) -> list[dict[str, torch.Tensor]]:
     """Single-process replay of the same per-stage order, gradients from one full autograd pass
     on the weights each stage's predictor gives the forward (stash, v2, 2bw: the backward uses
-    the same). ``clip_norm``: clip every unit's gradient by its norm over all stages.
+    the same). ``clip_norm``: clip every unit's gradient by its norm over all stages;
+    ``learning_rate_scale``: the predictors' factor on each stage's learning rate.
     """
     torch.manual_seed(0)
     modules = split_stages(_layers(), BOUNDARIES[stages] if boundaries is None else boundaries)
     model = nn.Sequential(*modules)
     optimizers = [_optimizer(m.parameters()) for m in modules]
     predictors = [
-        make_weight_predictor(mode, list(m.parameters()), o, stage=k, stages=stages)
+        make_weight_predictor(
+            mode,
+            list(m.parameters()),
+            o,
+            stage=k,
+            stages=stages,
+            learning_rate_scale=learning_rate_scale,
+        )
         for k, (m, o) in enumerate(zip(modules, optimizers))
     ]
     names = [[f"{k}.{n}" for n, _ in m.named_parameters()] for k, m in enumerate(modules)]

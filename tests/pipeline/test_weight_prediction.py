@@ -20,6 +20,7 @@ from lightning_parallel.pipeline.weight_prediction import (
     WeightPredictor,
     WeightStashing,
     make_weight_predictor,
+    staleness_learning_rate_scale,
 )
 
 
@@ -376,3 +377,82 @@ def test_bad_arguments_name_the_fix() -> None:
     plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(sgd)
     with pytest.raises(TypeError, match="learning_rates='constant'"):
         ScheduledLearningRate(sgd, plateau)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="learning_rate_scale must be a factor in"):
+        make_weight_predictor("none", [w], sgd, stage=0, stages=2, learning_rate_scale=0.0)
+    with pytest.raises(ValueError, match="'staleness' or a factor in"):
+        make_weight_predictor("none", [w], sgd, stage=0, stages=2, learning_rate_scale="half")
+    with pytest.raises(ValueError, match="needs the optimizer whose learning rates"):
+        make_weight_predictor("none", [w], None, stage=0, stages=2, learning_rate_scale=0.5)
+
+
+def test_staleness_scale_is_the_delayed_sgd_stability_ratio() -> None:
+    """ρ(τ) = sin(π/(2(2τ+1))): the largest stable η·h of x' = x - η·h·x_{t-τ}, over 2."""
+    for tau in range(1, 5):
+        rho = staleness_learning_rate_scale(tau)
+
+        # largest stable a of x_{t+1} = x_t - a·x_{t-τ}: spectral radius of its state map
+        def radius(a: float, tau: int = tau) -> float:
+            transition = torch.zeros(tau + 1, tau + 1, dtype=torch.float64)
+            transition[0, 0], transition[0, tau] = 1.0, -a
+            transition[1:, :-1] = torch.eye(tau, dtype=torch.float64)
+            return float(torch.linalg.eigvals(transition).abs().max())
+
+        stable = [a for a in torch.linspace(0.01, 2.0, 400).tolist() if radius(a) < 1.0]
+        assert rho == pytest.approx(max(stable) / 2.0, abs=0.004)
+    assert staleness_learning_rate_scale(0, 0.9, True) == 1.0
+    assert staleness_learning_rate_scale(1) == pytest.approx(0.5)
+
+
+def test_staleness_scale_under_momentum_is_the_heavy_ball_stability_ratio() -> None:
+    """Heavy ball with a one-update-stale gradient, z² - (1+μ)z + μ + η·h, is stable while
+    η·h < 1-μ; synchronous while η·h < 2(1+μ): ρ = (1-μ)/(2(1+μ)). Prediction widens it."""
+    for momentum in (0.5, 0.9):
+        stale = staleness_learning_rate_scale(1, momentum)
+        assert stale == pytest.approx((1 - momentum) / (2 * (1 + momentum)), rel=1e-5)
+        assert stale <= staleness_learning_rate_scale(1, momentum, predicted=True) < 1.0
+    # at μ = 0.9 prediction widens the stable step 2.7 times: 0.27 / 3.8
+    assert staleness_learning_rate_scale(1, 0.9, predicted=True) == pytest.approx(0.0711, abs=2e-4)
+    deeper = [staleness_learning_rate_scale(tau, 0.9, predicted=True) for tau in (1, 2, 3)]
+    assert deeper == sorted(deeper, reverse=True)  # the longer the delay, the smaller the step
+
+
+def test_learning_rate_scale_shrinks_stale_steps_and_the_prediction() -> None:
+    """Stage 0 of 2 with scale 1/2 steps with η/2 and predicts with η/2; the lr is restored."""
+    w = _param([1.0, -2.0])
+    optimizer = torch.optim.SGD([w], lr=0.2, momentum=0.9)
+    predictor = make_weight_predictor(
+        "v2", [w], optimizer, stage=0, stages=2, learning_rate_scale=0.5
+    )
+    assert isinstance(predictor, SpecTrainPrediction)
+    g0, g1 = torch.tensor([1.0, 2.0]), torch.tensor([-3.0, 0.5])
+    _update(predictor, optimizer, g0)
+    assert optimizer.param_groups[0]["lr"] == 0.2  # restored after every update
+    _update(predictor, optimizer, g1)
+    buf1 = 0.9 * g0 + g1  # torch's heavy-ball buffer after two updates (buf0 = g0)
+    w2 = torch.tensor([1.0, -2.0]) - 0.1 * g0 - 0.1 * buf1  # steps of η/2 = 0.1
+    torch.testing.assert_close(w.detach(), w2)
+    forward = predictor.forward_weights(0)
+    assert forward is not None  # s = 1 update of η/2 along the buffer
+    torch.testing.assert_close(forward[0], w2 - 0.1 * buf1)
+
+
+def test_staleness_option_resolves_delay_momentum_and_correction() -> None:
+    sgd = torch.optim.SGD([_param([1.0])], lr=0.1, momentum=0.9)
+    adam = torch.optim.Adam([_param([1.0])], lr=0.1, betas=(0.8, 0.999))
+
+    def scale(mode: str, optimizer: torch.optim.Optimizer, stage: int, stages: int) -> float:
+        return make_weight_predictor(
+            mode,
+            [_param([1.0])],
+            optimizer,
+            stage=stage,
+            stages=stages,
+            learning_rate_scale="staleness",
+        ).learning_rate_scale
+
+    assert scale("v2", sgd, 0, 2) == staleness_learning_rate_scale(1, 0.9, predicted=True)
+    assert scale("v1", sgd, 0, 3) == staleness_learning_rate_scale(2, 0.9, predicted=True)
+    assert scale("none", sgd, 0, 3) == staleness_learning_rate_scale(2, 0.9)
+    assert scale("stash", adam, 1, 3) == staleness_learning_rate_scale(1, 0.8)  # Adam's β1
+    assert scale("2bw", sgd, 0, 4) == staleness_learning_rate_scale(1, 0.9)  # one update stale
+    assert scale("v2", sgd, 2, 3) == scale("none", sgd, 1, 2) == 1.0  # last stage: never stale

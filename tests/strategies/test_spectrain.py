@@ -121,8 +121,13 @@ def test_two_stage_fit_equals_the_single_process_replay(mode: str) -> None:
     )
     trainer = _trainer(strategy, limit_val_batches=0)
     trainer.fit(model, DataLoader(_pairs(units), batch_size=None))
-    replayed = replay_tests._replay(2, mode, [2] * 5 + ["drain"], units, [2])
+    # the default learning_rate_scale="staleness" shrinks stage 0's learning rate (τ = 1)
+    replayed = replay_tests._replay(
+        2, mode, [2] * 5 + ["drain"], units, [2], learning_rate_scale="staleness"
+    )
+    unscaled = _global_state(replay_tests._replay(2, mode, [2] * 5 + ["drain"], units, [2]), [2])
     expected = _global_state(replayed, [2])
+    assert not torch.allclose(expected["layers.0.weight"], unscaled["layers.0.weight"])
     state = model.state_dict()
     for key, value in expected.items():
         torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6)
@@ -242,6 +247,10 @@ def test_registered_name_and_bad_arguments() -> None:
         SpecTrainStrategy(prediction="v3")
     with pytest.raises(ValueError, match="learning_rates"):
         SpecTrainStrategy(learning_rates="cosine")
+    assert strategy.learning_rate_scale == "staleness"  # stale stages keep the stable margin
+    assert SpecTrainStrategy(learning_rate_scale=None).learning_rate_scale == 1.0
+    with pytest.raises(ValueError, match="learning_rate_scale must be"):
+        SpecTrainStrategy(learning_rate_scale=2.0)
     # raised in the forked process at setup; the launcher re-raises it with the message
     with pytest.raises(Exception, match="accumulate_grad_batches=1"):
         trainer = _trainer(
