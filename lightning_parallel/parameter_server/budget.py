@@ -8,18 +8,26 @@ first shard's server therefore holds the epoch as one pool of batches:
    at least one;
 2. with every gradient (and, rarely, a separate claim) a worker asks for enough batches to keep
    ``lookahead`` in hand, and is granted what the pool still holds;
-3. once the pool is empty, a reply takes back the batches the worker was granted but has not
-   started (a negative grant) and returns them to the pool, where the next worker to ask, most
-   likely a fast one, gets them: a straggler does not keep everyone waiting at the epoch end
-   for batches it reserved early;
-4. when the pool is empty, replies say ``EPOCH_OVER``: a worker finishes the batches it holds
-   and drains. The epoch processes exactly Σ batches, however they are spread.
+3. a worker starts a granted batch only when it trains it (not when the data loader prefetches
+   it), so right after a reply a worker starts at most one of its granted batches before it
+   speaks again: the rest are *spare*, known exactly to the server;
+4. once the pool is empty, a worker asking for more takes the spare batches of workers slower
+   than itself (measured by the time between their requests); the slower worker learns it at
+   its next reply (a negative grant) and skips the batch it would have started: a straggler
+   does not keep everyone waiting at the epoch end for batches it reserved early, only for the
+   one it is computing;
+5. when neither the pool nor a slower worker's spare holds anything, replies say
+   ``EPOCH_OVER``: a worker finishes the batches it holds and drains. The epoch processes
+   exactly Σ batches, however they are spread.
 
 A run limit (``max_steps`` × world size × accumulation) caps the batches of the whole run the
 same way and raises ``RUN_OVER``.
 """
 
 from __future__ import annotations
+
+import time
+from collections.abc import Callable
 
 from lightning_parallel.parameter_server.protocol import ReplyFlag
 
@@ -35,7 +43,12 @@ class EpochBudget:
             0): every worker then takes exactly its own batches, as under DDP.
     """
 
-    def __init__(self, run_batches: int | None = None, share: bool = True) -> None:
+    def __init__(
+        self,
+        run_batches: int | None = None,
+        share: bool = True,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if run_batches is not None and run_batches < 0:
             raise ValueError(f"run_batches must be >= 0 or None, got {run_batches}")
         self.run_remaining = run_batches
@@ -43,9 +56,14 @@ class EpochBudget:
         self.pool = 0
         self.granted = 0
         self.epoch_open = False
+        self._clock = clock
         self._begun: set[int] = set()
         self._granted_to: dict[int, int] = {}
         self._own: dict[int, int] = {}
+        self._spare: dict[int, int] = {}  # granted batches a worker cannot start before it asks
+        self._stolen: dict[int, int] = {}  # spare batches given away since its last reply
+        self._last_seen: dict[int, float] = {}
+        self._interval: dict[int, float] = {}  # seconds between a worker's requests (EMA)
 
     def available(self, worker: int | None = None) -> int:
         """Batches that can still be granted in this epoch (to ``worker``, unless shared)."""
@@ -57,36 +75,78 @@ class EpochBudget:
         return max(0, left)
 
     def begin(
-        self, worker: int, epoch_batches: int, want: int, restart: bool = False
+        self,
+        worker: int,
+        epoch_batches: int,
+        want: int,
+        restart: bool = False,
+        lends: bool = True,
     ) -> tuple[int, ReplyFlag]:
         """``worker`` starts the epoch with ``epoch_batches`` of its own: grant at least one.
 
         ``restart``: the worker dropped its iterator before training a batch of it (Lightning
         re-creates it when resuming); the batches granted to it this epoch go back to the pool.
+        ``lends``: see :meth:`grant`.
         """
         if not self.epoch_open:
             self.epoch_open, self.pool, self.granted = True, 0, 0
             self._begun.clear()
             self._granted_to.clear()
             self._own.clear()
+            self._spare.clear()
+            self._stolen.clear()
         if worker not in self._begun:
             self._begun.add(worker)
             self.pool += max(0, epoch_batches)
             self._own[worker] = max(0, epoch_batches)
         elif restart:
+            self._stolen.pop(worker, None)
+            self._spare.pop(worker, None)
             self._refund(worker, self._granted_to.get(worker, 0))
-        return self._grant(worker, max(1, want), at_least=1)
+        self._tick(worker)
+        count = self._take(worker, max(1, want), at_least=1)
+        self._spare[worker] = max(0, count - 1) if lends and self.share else 0
+        return count, self.flags(worker)
 
-    def grant(self, worker: int, want: int, held: int = 0) -> tuple[int, ReplyFlag]:
-        """Grant ``worker`` up to ``want`` more batches; it holds ``held`` unused ones.
+    def grant(
+        self, worker: int, want: int, held: int = 0, lends: bool = True
+    ) -> tuple[int, ReplyFlag]:
+        """Grant ``worker`` up to ``want`` more batches; it holds ``held`` not yet started.
 
-        With the pool empty, the ``held`` batches are taken back instead: the grant is
-        ``-held`` and they return to the pool for whoever asks next.
+        The grant is net of the spare batches faster workers took from this one since its
+        last reply (so it may be negative). ``lends``: the worker starts at most one batch
+        before it asks again, so all but one of what it then holds may be lent to faster
+        workers (``False`` for a worker that overlaps its exchanges: nothing is lent).
         """
-        if self.share and self.epoch_open and held > 0 and self.available() == 0:
-            self._refund(worker, held)
-            return -held, self.flags(worker)
-        return self._grant(worker, max(0, want), at_least=0)
+        self._tick(worker)
+        stolen = self._stolen.pop(worker, 0)
+        count = self._take(worker, max(0, want), at_least=0)
+        holds = held - stolen + count
+        self._spare[worker] = max(0, holds - 1) if lends and self.share else 0
+        return count - stolen, self.flags(worker)
+
+    def _tick(self, worker: int) -> None:
+        now = self._clock()
+        last = self._last_seen.get(worker)
+        if last is not None:
+            interval = now - last
+            previous = self._interval.get(worker)
+            self._interval[worker] = (
+                interval if previous is None else 0.7 * previous + 0.3 * interval
+            )
+        self._last_seen[worker] = now
+
+    def _slower(self, worker: int) -> list[int]:
+        """Workers with spare batches, slower than ``worker``, slowest first."""
+        own = self._interval.get(worker)
+        if own is None or not self.share or not self.epoch_open:
+            return []
+        slower = [
+            other
+            for other, spare in self._spare.items()
+            if other != worker and spare > 0 and self._interval.get(other, 0.0) > own
+        ]
+        return sorted(slower, key=lambda other: -self._interval[other])
 
     def _refund(self, worker: int, count: int) -> None:
         self.pool += count
@@ -98,7 +158,10 @@ class EpochBudget:
     def flags(self, worker: int | None = None) -> ReplyFlag:
         """The budget facts to tell ``worker`` now."""
         flags = ReplyFlag.NONE
-        if self.available(worker) == 0:
+        lendable = (
+            sum(self._spare[other] for other in self._slower(worker)) if worker is not None else 0
+        )
+        if self.available(worker) == 0 and lendable == 0:
             flags |= ReplyFlag.EPOCH_OVER
         if self.run_remaining is not None and self.run_remaining <= 0:
             flags |= ReplyFlag.RUN_OVER
@@ -108,7 +171,7 @@ class EpochBudget:
         """Every worker drained: the next ``begin`` opens a new epoch."""
         self.epoch_open = False
 
-    def _grant(self, worker: int, want: int, at_least: int) -> tuple[int, ReplyFlag]:
+    def _take(self, worker: int, want: int, at_least: int) -> int:
         # at_least lets every worker train at least one batch per epoch, so that all ranks
         # reach the epoch end (and Lightning's collectives there) together.
         count = max(at_least, min(want, self.available(worker)))
@@ -117,4 +180,13 @@ class EpochBudget:
         self._granted_to[worker] = self._granted_to.get(worker, 0) + count
         if self.run_remaining is not None:
             self.run_remaining -= count
-        return count, self.flags(worker)
+        for other in self._slower(worker):  # the pool is short: take slower workers' spare
+            if count >= want:
+                break
+            moved = min(self._spare[other], want - count)
+            self._spare[other] -= moved
+            self._stolen[other] = self._stolen.get(other, 0) + moved
+            self._granted_to[other] -= moved
+            self._granted_to[worker] += moved
+            count += moved
+        return count

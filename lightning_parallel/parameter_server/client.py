@@ -87,6 +87,9 @@ class ParameterClient:
         lookahead: batches to keep granted ahead (prefetching takes one batch early, gradient
             accumulation takes several per step).
         overlap: do not wait for a step's reply before computing the next batch (see above).
+        lends: the worker starts at most one batch between two requests, so the server may
+            lend its other granted batches to faster workers (``False`` with gradient
+            accumulation).
     """
 
     def __init__(
@@ -99,6 +102,7 @@ class ParameterClient:
         local_hosts: Mapping[int, ShardHost],
         lookahead: int = 2,
         overlap: bool = False,
+        lends: bool = True,
     ) -> None:
         self.rank = rank
         self.parameters = list(parameters)
@@ -108,6 +112,7 @@ class ParameterClient:
         self.local_hosts = dict(local_hosts)
         self.lookahead = max(1, lookahead)
         self.overlap = overlap
+        self.lends = lends
         self._in_flight: _Posted | None = None
         dtype = self.parameters[0].dtype
         self.gradient = torch.zeros(layout.total, dtype=dtype)
@@ -117,6 +122,8 @@ class ParameterClient:
         self.read_versions = [0] * layout.shards
         # epoch budget
         self.allowance = 0
+        self.reserved = 0  # batches fetched ahead, granted, not started (reserve_batch)
+        self.reserving = False  # this epoch's batches are reserved, then started
         self.epoch_over = False
         self.run_over = False
         self.in_epoch = False
@@ -146,7 +153,7 @@ class ParameterClient:
                     "inside an epoch is not supported with the parameter server"
                 )
             flags = RequestFlag.RESTART
-        self.allowance, self.epoch_over = 0, False
+        self.allowance, self.epoch_over, self.reserved, self.reserving = 0, False, 0, False
         self.in_epoch = True
         self.steps_this_epoch = 0
         self._exchange(RequestKind.BEGIN, flags, epoch_batches=epoch_batches)
@@ -155,6 +162,35 @@ class ParameterClient:
         """Use one granted batch; ask for more if none is left. ``False``: the epoch is over."""
         if self.allowance == 0 and not self.epoch_over:
             self._exchange(RequestKind.CLAIM, RequestFlag.NONE)
+        if self.allowance == 0:
+            return False
+        self.allowance -= 1
+        return True
+
+    def reserve_batch(self) -> bool:
+        """A data loader fetched a batch ahead of training it: is there a grant for it?
+
+        With :meth:`start_batch` instead of :meth:`take_batch`: the grant is spent when the
+        batch starts, so the server may lend it to a faster worker meanwhile (see
+        :mod:`~lightning_parallel.parameter_server.budget`). ``False``: the epoch is over.
+        """
+        self.reserving = True
+        if self.allowance - self.reserved <= 0 and not self.epoch_over:
+            self._exchange(RequestKind.CLAIM, RequestFlag.NONE)
+        if self.allowance - self.reserved <= 0:
+            return False
+        self.reserved += 1
+        return True
+
+    def start_batch(self) -> bool:
+        """Spend the grant of a reserved batch as it starts; ``False``: it went to another
+        worker (skip the batch). Always ``True`` when no batch was reserved this epoch (a
+        loader without a length trains on its own data, outside the budget)."""
+        if not self.reserving:
+            return True
+        self.reserved = max(0, self.reserved - 1)
+        if self.allowance == 0:
+            self.settle()  # an overlapped step's reply may carry the grant
         if self.allowance == 0:
             return False
         self.allowance -= 1
@@ -183,10 +219,7 @@ class ParameterClient:
             self._accept(RequestKind.STEP, previous)
         self.steps_this_epoch += 1
         overlapped = self.overlap and not drain
-        # Until its reply is accepted the worker starts up to lookahead − 1 more batches (the
-        # data fetcher's prefetch, accumulation): those cannot be handed back to the pool.
-        reserve = self.lookahead - 1 if overlapped else 0
-        posted = self._post(RequestKind.STEP, flags, versions=versions, reserve=reserve)
+        posted = self._post(RequestKind.STEP, flags, versions=versions)
         if overlapped:
             self._in_flight = posted
         else:
@@ -228,12 +261,16 @@ class ParameterClient:
         flags: RequestFlag,
         epoch_batches: int = 0,
         versions: Sequence[int] | None = None,
-        reserve: int = 0,
     ) -> _Posted:
         """Send the request to every shard, receives of the replies posted first.
 
-        ``reserve`` granted batches are not offered back to the pool (see :meth:`step`).
+        A worker that may start more than one batch between two requests flags its requests:
+        the server lends none of its granted batches to others. That is every worker but one
+        that spends grants as batches start (:meth:`start_batch`), with one batch per step
+        (no gradient accumulation) and no overlapped steps.
         """
+        if self.overlap or not self.lends or not self.reserving:
+            flags |= RequestFlag.KEEPS_GRANTS
         start = time.perf_counter()
         versions = self.read_versions if versions is None else versions
         want = max(0, self.lookahead - self.allowance) if kind != RequestKind.LEAVE else 0
@@ -248,7 +285,7 @@ class ParameterClient:
                 want if shard == 0 else 0,
                 epoch_batches if shard == 0 else 0,
                 self.gradient[first:stop] if RequestFlag.HAS_GRADIENT in flags else None,
-                max(0, self.allowance - reserve) if shard == 0 else 0,
+                self.allowance if shard == 0 else 0,
             )
             if host == self.rank:
                 self.local_hosts[shard].submit(request)
@@ -330,9 +367,9 @@ class ParameterClient:
                 self.allowance += reply.granted
                 if self.allowance < 0:
                     raise RuntimeError(
-                        f"parameter server: worker rank {self.rank} was asked to return "
-                        f"{-reply.granted} batches it had already started (a budget protocol "
-                        "error); please report it"
+                        f"parameter server: worker rank {self.rank} lost {-reply.granted} "
+                        "granted batches to faster workers, more than it had not started (a "
+                        "budget protocol error); please report it"
                     )
                 # the latest word counts: batches taken back from a worker (a negative grant)
                 # reopen the pool, and that worker must come back for them

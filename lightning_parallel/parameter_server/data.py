@@ -5,8 +5,9 @@ and ends the epoch when the server's pool of batches is spent, not when the rank
 
 1. the first batch of an epoch begins the epoch at the server with this rank's number of
    batches (``len(loader)``);
-2. each batch uses one granted batch (:meth:`ParameterClient.take_batch`); without a grant and
-   with the pool spent, iteration stops;
+2. each batch uses one granted batch (:meth:`ParameterClient.take_batch`; with ``deferred``,
+   reserved when fetched and spent when it starts); without a grant and with the pool spent,
+   iteration stops;
 3. a fast worker that runs past its own share starts its loader again with a fresh shuffle (the
    sampler's epoch moved by a large prime per pass), while a slow one stops early: every sample
    of the epoch is still seen about once in expectation.
@@ -68,6 +69,10 @@ class BudgetedLoader:
             loader may be built before the client).
         limit: at most this many batches of this rank count towards the epoch's pool
             (``limit_train_batches``); ``None``: all.
+        deferred: only reserve a grant when a batch is fetched
+            (:meth:`ParameterClient.reserve_batch`); the trainer spends it when the batch
+            starts (:meth:`ParameterClient.start_batch`) and skips a batch whose grant went to
+            a faster worker. For loaders that fetch ahead (Lightning prefetches one batch).
     """
 
     def __init__(
@@ -75,10 +80,12 @@ class BudgetedLoader:
         loader: Iterable[Any],
         client: Callable[[], ParameterClient],
         limit: int | None = None,
+        deferred: bool = False,
     ) -> None:
         self.loader = loader
         self._client = client
         self.limit = limit
+        self.deferred = deferred
         self.current: _BudgetedIterator | None = None
 
     @property
@@ -132,8 +139,11 @@ class _BudgetedIterator(Iterator[Any]):
         if not self.begun:
             self.begun = True
             self.client.begin_epoch(self.batches or 0)
-        if self.batches is not None and not self.client.take_batch():
-            raise StopIteration
+        if self.batches is not None:
+            client = self.client
+            granted = client.reserve_batch() if self.owner.deferred else client.take_batch()
+            if not granted:
+                raise StopIteration
         if self.iterator is None:
             self.sampler_epoch = _sampler_epoch(self.owner.loader)
             self.iterator = iter(self.owner.loader)

@@ -53,6 +53,7 @@ class RequestFlag(IntFlag):
     HAS_GRADIENT = 1  # a gradient tensor follows the header
     DRAIN = 2  # my last step of the epoch: reply once every worker has drained
     RESTART = 4  # (with BEGIN) I restart this epoch before training: refund my batches
+    KEEPS_GRANTS = 8  # lend none of my granted batches (I may start several between requests)
 
 
 class ReplyKind(IntEnum):

@@ -124,6 +124,8 @@ class ParameterServerRuntime:
         lookahead: batches each worker keeps granted ahead.
         overlap: workers compute their next batch while a step's exchange is in flight
             (:class:`ParameterClient`); needs unbounded staleness (``max_staleness=None``).
+        lends: this rank starts at most one batch between two requests, so the server may lend
+            its spare granted batches to faster workers (:class:`ParameterClient`).
         keep_trace: record every gradient's (worker, staleness) on the shards (tests).
     """
 
@@ -138,6 +140,7 @@ class ParameterServerRuntime:
         run_batches: int | None = None,
         lookahead: int = 2,
         overlap: bool = False,
+        lends: bool = True,
         keep_trace: bool = False,
     ) -> None:
         if not dist.is_initialized():
@@ -203,6 +206,7 @@ class ParameterServerRuntime:
             self.local_hosts,
             lookahead,
             overlap=overlap,
+            lends=lends,
         )
         for host in self.local_hosts.values():
             host.start()

@@ -86,6 +86,7 @@ class _Worker:
     previous_weights: Tensor | None = None
     want: int = 0
     held: int = 0
+    lends: bool = True  # its spare granted batches may go to faster workers
     staleness: int = -1  # staleness of its last consumed gradient, for the reply
     dropped: bool = False
     waiting_since: float = 0.0
@@ -185,6 +186,7 @@ class ShardServer:
             raise RuntimeError(
                 f"worker rank {request.worker} sent {request.kind.name} after leaving"
             )
+        worker.lends = RequestFlag.KEEPS_GRANTS not in request.flags
         if request.kind == RequestKind.BEGIN:
             granted, flags = (
                 self.budget.begin(
@@ -192,6 +194,7 @@ class ShardServer:
                     request.epoch_batches,
                     request.want,
                     restart=RequestFlag.RESTART in request.flags,
+                    lends=worker.lends,
                 )
                 if self.budget is not None
                 else (0, ReplyFlag.NONE)
@@ -359,7 +362,7 @@ class ShardServer:
     def _grant(self, worker: int, want: int, held: int) -> tuple[int, ReplyFlag]:
         if self.budget is None:
             return 0, ReplyFlag.NONE
-        return self.budget.grant(worker, want, held)
+        return self.budget.grant(worker, want, held, lends=self._worker(worker).lends)
 
     def _weights(self) -> Tensor:
         # One read-only snapshot per version: sends may still be reading it while the next

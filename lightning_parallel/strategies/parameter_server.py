@@ -170,6 +170,9 @@ class ParameterServerStrategy(DDPStrategy):
         self.fault_timeout = float(timeout)
         self.runtime: ParameterServerRuntime | None = None
         self._asynchronous = False
+        self._skipped = False
+        #: prefetched batches not trained because a faster worker took their grant
+        self.skipped_batches = 0
         self._failed = False
         self._bytes_sent = 0.0
         self._warned_sync_dist = False
@@ -297,6 +300,7 @@ class ParameterServerStrategy(DDPStrategy):
             run_batches=run_batches,
             lookahead=accumulate + 1,
             overlap=self.overlap,
+            lends=accumulate == 1,
         )
         hooks = _ParameterServerHooks(self)
         callbacks: list[Callback] = trainer.callbacks  # type: ignore[attr-defined]
@@ -314,13 +318,32 @@ class ParameterServerStrategy(DDPStrategy):
         elif self._limit != 1.0 and hasattr(dataloader, "__len__"):
             limit = max(1, int(len(dataloader) * self._limit))
         runtime = self.runtime
-        return BudgetedLoader(dataloader, lambda: runtime.client, limit=limit)  # type: ignore[arg-type]
+        return BudgetedLoader(
+            dataloader,  # type: ignore[arg-type]
+            lambda: runtime.client,
+            limit=limit,
+            deferred=True,  # Lightning fetches one batch ahead: spend grants at training_step
+        )
 
     # ------------------------------------------------------------------ the step
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self._asynchronous = self.runtime is not None
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        # The batch's grant is spent now, not when the loader fetched it one batch earlier: a
+        # faster worker may have taken it meanwhile (the epoch's tail). Then the batch is not
+        # trained: the module's training_step is not called, a constant zero stands in for the
+        # loss (Lightning refuses None in distributed training) and nothing is pushed.
+        runtime = self.runtime
+        self._skipped = runtime is not None and not runtime.client.start_batch()
+        if self._skipped:
+            self.skipped_batches += 1
+            process_ledger().set_gauge("ps_skipped_batches", float(self.skipped_batches))
+            return torch.zeros((), device=self.root_device, requires_grad=True)
+        return super().training_step(*args, **kwargs)
 
     @override
     def optimizer_step(
@@ -338,6 +361,8 @@ class ParameterServerStrategy(DDPStrategy):
         def push_and_pull(closure: Callable[[], Any] | None = None, **_: Any) -> Any:
             # the precision plugin's closure: training_step, backward, clipping, hooks
             loss = closure() if closure is not None else None
+            if self._skipped:
+                return loss  # the batch went to a faster worker: nothing to push
             has_gradient = any(p.grad is not None for p in runtime.parameters)
             drain = bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
             runtime.client.step(has_gradient, drain=drain)

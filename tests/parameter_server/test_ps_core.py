@@ -339,14 +339,47 @@ def test_layout_cuts_whole_parameters_evenly():
         ShardLayout.balanced(shapes, 5)
 
 
-def test_empty_pool_takes_back_unstarted_batches_for_others():
-    budget = EpochBudget()
-    budget.begin(0, 2, 2)  # the straggler reserves both of its batches
-    budget.begin(1, 2, 2)  # pool empty now
-    count, flags = budget.grant(0, 1, held=1)  # the straggler still holds one
-    assert count == -1 and ReplyFlag.EPOCH_OVER not in flags
-    assert budget.grant(1, 1, held=0) == (1, ReplyFlag.EPOCH_OVER)  # the fast one takes it
-    assert budget.granted == 4  # still exactly the epoch's batches
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_empty_pool_lends_a_slower_workers_spare_batches_to_a_faster_one():
+    """Spare = granted and unstarted minus the one batch a worker starts right after a reply;
+    an asker with the pool empty takes the spare of workers slower than itself."""
+    clock = _Clock()
+    budget = EpochBudget(clock=clock)
+    assert budget.begin(0, 3, 3)[0] == 3  # the straggler holds all of its 3
+    assert budget.begin(1, 3, 1)[0] == 1
+    clock.now = 1.0
+    budget.grant(1, 0, held=0)  # worker 1: a request every second
+    clock.now = 3.0
+    budget.grant(0, 0, held=2)  # worker 0: every 3 s; holds 2, starts 1 now: 1 spare
+    clock.now = 3.5
+    assert budget.grant(1, 3, held=0) == (3, ReplyFlag.EPOCH_OVER)  # 2 from the pool, 1 lent
+    clock.now = 6.0
+    # the straggler (it started one of its 2 since) learns it lent one: it holds none now
+    assert budget.grant(0, 1, held=1) == (-1, ReplyFlag.EPOCH_OVER)
+    assert budget.granted == 6  # still exactly the epoch's batches
+    # the slower worker never takes from the faster one
+    clock.now = 7.0
+    assert budget.grant(0, 2, held=0) == (0, ReplyFlag.EPOCH_OVER)
+
+
+def test_a_worker_that_keeps_its_grants_lends_nothing():
+    clock = _Clock()
+    budget = EpochBudget(clock=clock)
+    budget.begin(0, 3, 3, lends=False)
+    budget.begin(1, 3, 3)
+    for now in (1.0, 2.0, 3.0):
+        clock.now = now
+        budget.grant(0, 0, held=2, lends=False)
+        budget.grant(1, 0, held=2)
+    clock.now, _ = 3.5, budget.grant(1, 0, held=2)  # worker 1 asks more often: faster
+    assert budget.grant(1, 5, held=0) == (0, ReplyFlag.EPOCH_OVER)
 
 
 def test_unshared_budget_gives_each_worker_exactly_its_own_batches():

@@ -66,8 +66,10 @@ class _Record(Callback):
             time.sleep(self.delay)
 
     def on_train_end(self, trainer, pl_module):
+        skipped = getattr(trainer.strategy, "skipped_batches", 0)
         record = {
-            "batches": self.batches,
+            "batches": self.batches - skipped,  # trained (a skipped batch went to another rank)
+            "skipped": skipped,
             "bytes": self.stats.totals.bytes_sent,
             "gauges": dict(process_ledger().gauges),
         }
