@@ -90,6 +90,8 @@ class ParameterClient:
         lends: the worker starts at most one batch between two requests, so the server may
             lend its other granted batches to faster workers (``False`` with gradient
             accumulation).
+        wire_dtype: dtype of the gradients sent and the weights received from remote shards
+            (``None``: the parameters' own); the shards keep full-precision weights.
     """
 
     def __init__(
@@ -103,6 +105,7 @@ class ParameterClient:
         lookahead: int = 2,
         overlap: bool = False,
         lends: bool = True,
+        wire_dtype: torch.dtype | None = None,
     ) -> None:
         self.rank = rank
         self.parameters = list(parameters)
@@ -117,7 +120,13 @@ class ParameterClient:
         dtype = self.parameters[0].dtype
         self.gradient = torch.zeros(layout.total, dtype=dtype)
         self._slices = [layout.elements_of(shard) for shard in range(layout.shards)]
-        self._weights = [torch.zeros(stop - start, dtype=dtype) for start, stop in self._slices]
+        wire = wire_dtype or dtype
+        self._weights = [torch.zeros(stop - start, dtype=wire) for start, stop in self._slices]
+        # the gradient slice in the wire's dtype (None: sent as it is)
+        self._outgoing = [
+            torch.zeros(stop - start, dtype=wire) if wire != dtype else None
+            for start, stop in self._slices
+        ]
         self._headers = [torch.zeros(HEADER_SIZE, dtype=torch.int64) for _ in self.hosts]
         self.read_versions = [0] * layout.shards
         # epoch budget
@@ -306,12 +315,14 @@ class ParameterClient:
             sends = _posted(c10d.isend(header, dst=host, group=self.group, tag=REQUEST_HEADER_TAG))
             self._bytes_sent += header.numel() * 8
             if request.gradient is not None:
-                sends += _posted(
-                    c10d.isend(
-                        request.gradient, dst=host, group=self.group, tag=REQUEST_GRADIENT_TAG
-                    )
+                outgoing = self._outgoing[shard]
+                gradient = (
+                    request.gradient if outgoing is None else outgoing.copy_(request.gradient)
                 )
-                self._bytes_sent += request.gradient.numel() * request.gradient.element_size()
+                sends += _posted(
+                    c10d.isend(gradient, dst=host, group=self.group, tag=REQUEST_GRADIENT_TAG)
+                )
+                self._bytes_sent += gradient.numel() * gradient.element_size()
             posted.remote.append((shard, receives, sends, [header]))
         self.wait_seconds += time.perf_counter() - start  # a local shard applies in-line
         return posted

@@ -62,6 +62,7 @@ class ShardHost:
         rank: this process's global rank (its own worker talks to the shard in-process).
         workers: global ranks of all workers.
         group: the parameter-server process group (gloo, separate from Lightning's).
+        wire_dtype: dtype gradients arrive in and weights leave in (``None``: the shard's).
     """
 
     def __init__(
@@ -71,8 +72,10 @@ class ShardHost:
         rank: int,
         workers: Sequence[int],
         group: ProcessGroup,
+        wire_dtype: torch.dtype | None = None,
     ) -> None:
         self.server = server
+        self.wire_dtype = wire_dtype if wire_dtype != server.weights.dtype else None
         self.shard = shard
         self.rank = rank
         self.group = group
@@ -85,6 +88,11 @@ class ShardHost:
         self._closing = False
         self._bytes_sent = 0.0
         self._buffers = {worker: server.gradient_buffer(worker) for worker in self._remote}
+        self._incoming = {  # where a gradient in the wire's dtype lands first
+            worker: torch.empty(server.weights.numel(), dtype=self.wire_dtype)
+            for worker in self._remote
+            if self.wire_dtype is not None
+        }
         self._receivers = [
             threading.Thread(
                 target=self._receive,
@@ -162,8 +170,9 @@ class ShardHost:
                 c10d.recv(header, src=worker, group=self.group, tag=REQUEST_HEADER_TAG)
                 request = Request.from_header(header)
                 if RequestFlag.HAS_GRADIENT in request.flags:
-                    c10d.recv(buffer, src=worker, group=self.group, tag=REQUEST_GRADIENT_TAG)
-                    request.gradient = buffer
+                    incoming = self._incoming.get(worker, buffer)
+                    c10d.recv(incoming, src=worker, group=self.group, tag=REQUEST_GRADIENT_TAG)
+                    request.gradient = buffer if incoming is buffer else buffer.copy_(incoming)
             except Exception as error:
                 if not self._closing:
                     self.fail(
@@ -189,12 +198,13 @@ class ShardHost:
                 self._mailbox.put(reply)
                 continue
             header = reply.header()
+            weights = (
+                reply.weights if self.wire_dtype is None else reply.weights.to(self.wire_dtype)
+            )
             try:
                 works = [
                     c10d.isend(header, dst=reply.worker, group=self.group, tag=REPLY_HEADER_TAG),
-                    c10d.isend(
-                        reply.weights, dst=reply.worker, group=self.group, tag=REPLY_WEIGHTS_TAG
-                    ),
+                    c10d.isend(weights, dst=reply.worker, group=self.group, tag=REPLY_WEIGHTS_TAG),
                 ]
             except Exception as error:
                 self.fail(
@@ -202,11 +212,9 @@ class ShardHost:
                     f"cannot send to worker rank {reply.worker} ({_first_line(error)})",
                 )
                 continue
-            self._bytes_sent += (
-                header.numel() * 8 + reply.weights.numel() * reply.weights.element_size()
-            )
+            self._bytes_sent += header.numel() * 8 + weights.numel() * weights.element_size()
             self._inflight.put(
-                (reply.worker, [w for w in works if w is not None], [header, reply.weights])
+                (reply.worker, [w for w in works if w is not None], [header, weights])
             )
 
     def _reap(self) -> None:

@@ -174,3 +174,23 @@ class Reply:
             failed_rank,
             FailureKind(failure),
         )
+
+
+WIRE_DTYPE_NAMES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+def parse_wire_dtype(value: str | torch.dtype | None) -> torch.dtype | None:
+    """The dtype gradients and weights travel in (``None``: the parameters' own)."""
+    if value is None or isinstance(value, torch.dtype):
+        return value
+    if value in ("none", "None"):
+        return None
+    if value not in WIRE_DTYPE_NAMES:
+        raise ValueError(
+            f"wire_dtype must be one of {sorted(WIRE_DTYPE_NAMES)} or None, got {value!r}"
+        )
+    return WIRE_DTYPE_NAMES[value]

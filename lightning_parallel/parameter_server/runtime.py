@@ -126,6 +126,8 @@ class ParameterServerRuntime:
             (:class:`ParameterClient`); needs unbounded staleness (``max_staleness=None``).
         lends: this rank starts at most one batch between two requests, so the server may lend
             its spare granted batches to faster workers (:class:`ParameterClient`).
+        wire_dtype: dtype of gradients and weights between ranks (``None``: the parameters'
+            own; ``torch.bfloat16`` halves the bytes; the shards keep full precision).
         keep_trace: record every gradient's (worker, staleness) on the shards (tests).
     """
 
@@ -141,6 +143,7 @@ class ParameterServerRuntime:
         lookahead: int = 2,
         overlap: bool = False,
         lends: bool = True,
+        wire_dtype: torch.dtype | None = None,
         keep_trace: bool = False,
     ) -> None:
         if not dist.is_initialized():
@@ -196,7 +199,9 @@ class ParameterServerRuntime:
                 ),
             )
             server.statistics.keep_trace = keep_trace
-            self.local_hosts[shard] = ShardHost(server, shard, self.rank, workers, self.group)
+            self.local_hosts[shard] = ShardHost(
+                server, shard, self.rank, workers, self.group, wire_dtype=wire_dtype
+            )
         self.client = ParameterClient(
             self.rank,
             parameters,
@@ -207,6 +212,7 @@ class ParameterServerRuntime:
             lookahead,
             overlap=overlap,
             lends=lends,
+            wire_dtype=wire_dtype,
         )
         for host in self.local_hosts.values():
             host.start()

@@ -60,6 +60,7 @@ from lightning_parallel.comm.ledger import process_ledger
 from lightning_parallel.parameter_server.data import BudgetedLoader
 from lightning_parallel.parameter_server.faults import WorkerFailure
 from lightning_parallel.parameter_server.policies import UpdatePolicy
+from lightning_parallel.parameter_server.protocol import parse_wire_dtype
 from lightning_parallel.parameter_server.runtime import ParameterServerRuntime
 from lightning_parallel.strategies.arguments import as_bool
 from lightning_parallel.strategies.registry import register_strategy
@@ -89,6 +90,9 @@ class ParameterServerStrategy(DDPStrategy):
         overlap: compute the next batch while the step's gradient and the fresh weights are
             on the wire (default ``False``): hides the exchange at the cost of one exchange of
             staleness per gradient; needs ``max_staleness=None``.
+        wire_dtype: ``"bfloat16"`` or ``"float16"``: gradients and weights travel between ranks
+            in half precision (half the bytes; the server keeps and updates full-precision
+            weights; default ``None``: the parameters' dtype).
         drop_staleness: drop gradients staler than this (default ``None``: keep all).
         staleness_decay: decay c of ``"exp"`` scaling (default 0.5).
         server_rank: global rank hosting the first shard (default 0; shard k is on
@@ -117,6 +121,7 @@ class ParameterServerStrategy(DDPStrategy):
         dc: float = 0.0,
         lr_scale: float | str = 1.0,
         overlap: bool | str = False,
+        wire_dtype: str | None = None,
         drop_staleness: int | float | str | None = None,
         staleness_decay: float = 0.5,
         server_rank: int = 0,
@@ -142,6 +147,7 @@ class ParameterServerStrategy(DDPStrategy):
         )
         self.lr_scale_auto = lr_scale == "auto"
         self.overlap = as_bool("overlap", overlap)
+        self.wire_dtype = parse_wire_dtype(wire_dtype)
         if self.overlap and self.policy.max_staleness is not None:
             raise ValueError(
                 "overlap=True computes every gradient on weights one exchange older, which "
@@ -301,6 +307,7 @@ class ParameterServerStrategy(DDPStrategy):
             lookahead=accumulate + 1,
             overlap=self.overlap,
             lends=accumulate == 1,
+            wire_dtype=self.wire_dtype,
         )
         hooks = _ParameterServerHooks(self)
         callbacks: list[Callback] = trainer.callbacks  # type: ignore[attr-defined]

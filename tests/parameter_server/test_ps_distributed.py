@@ -288,3 +288,39 @@ def test_dead_server_host_is_named_by_the_workers():
     assert "shard 0 on rank 0" in str(raised.value) and "rank 0 failed or is unreachable" in str(
         raised.value
     )
+
+
+def test_bfloat16_wire_halves_the_gradient_bytes_and_the_server_keeps_float32():
+    """Rank 1 pushes g in bfloat16: the server applies w − η·bf16(g) in float32; rank 1 reads
+    the weights rounded to bfloat16, rank 0 (the shard's own rank) reads them exactly."""
+    from lightning_parallel.parameter_server.protocol import HEADER_SIZE
+
+    def fn(rank, world):
+        torch.manual_seed(0)
+        layer = nn.Linear(4, 3)
+        optimizer = torch.optim.SGD(layer.parameters(), lr=0.5)
+        runtime = ParameterServerRuntime(optimizer, UpdatePolicy(), wire_dtype=torch.bfloat16)
+        runtime.client.begin_epoch(1)
+        if rank == 1:
+            for p in layer.parameters():
+                p.grad = torch.linspace(-1.0, 1.0, p.numel()).reshape(p.shape) / 3.0
+            runtime.client.step(True, drain=True)
+        else:
+            runtime.client.drain()
+        sent = runtime.client.take_bytes()
+        weights = [p.detach().clone() for p in layer.parameters()]
+        runtime.gather_state()
+        runtime.close()
+        return weights, sent
+
+    (exact, _), (rounded, sent) = run_distributed(fn, 2, timeout=60)
+    torch.manual_seed(0)
+    reference = nn.Linear(4, 3)
+    for p, got, got_rounded in zip(reference.parameters(), exact, rounded):
+        g = (torch.linspace(-1.0, 1.0, p.numel()).reshape(p.shape) / 3.0).bfloat16().float()
+        want = p.detach() - 0.5 * g
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        torch.testing.assert_close(got_rounded, want.bfloat16().float(), rtol=0, atol=0)
+    assert sent == 2 * HEADER_SIZE * 8 + 15 * 2  # BEGIN and STEP headers, 15 bfloat16 values
+    with pytest.raises(ValueError, match="wire_dtype"):
+        ParameterServerStrategy(wire_dtype="int8")
