@@ -143,6 +143,7 @@ class ParameterClient:
         self.dropped = 0
         self.gradients_sent = 0
         self.wait_seconds = 0.0
+        self.drain_wait_seconds = 0.0  # the part of wait_seconds spent in epoch-end drains
         self._bytes_sent = 0.0
 
     # ------------------------------------------------------------------ epoch budget
@@ -232,7 +233,10 @@ class ParameterClient:
         if overlapped:
             self._in_flight = posted
         else:
+            before = self.wait_seconds
             self._accept(RequestKind.STEP, self._collect(posted))
+            if drain:  # the epoch's end: waiting for the other workers to finish
+                self.drain_wait_seconds += self.wait_seconds - before
         if drain:
             self.in_epoch = False
             self.epochs_drained += 1

@@ -263,6 +263,7 @@ class ParameterServerRuntime:
         """This rank's figures: its own waits and staleness; on shard hosts, the shard's."""
         figures = {
             "ps_wait_s": self.client.wait_seconds,
+            "ps_wait_drain_s": self.client.drain_wait_seconds,
             "ps_own_staleness_mean": self.client.staleness_mean,
             "ps_gradients_sent": float(self.client.gradients_sent),
         }
