@@ -16,7 +16,10 @@ first shard's server therefore holds the epoch as one pool of batches:
    its next reply (a negative grant) and skips the batch it would have started: a straggler
    does not keep everyone waiting at the epoch end for batches it reserved early, only for the
    one it is computing;
-5. when neither the pool nor a slower worker's spare holds anything, replies say
+5. at the very end, a worker slower than the rest whose remaining batches the faster workers
+   would finish (with the pool) before it finishes its next one returns all of them, including
+   the one it prefetched, and stops for this epoch;
+6. when neither the pool nor a slower worker's spare holds anything, replies say
    ``EPOCH_OVER``: a worker finishes the batches it holds and drains. The epoch processes
    exactly Σ batches, however they are spread.
 
@@ -62,6 +65,8 @@ class EpochBudget:
         self._own: dict[int, int] = {}
         self._spare: dict[int, int] = {}  # granted batches a worker cannot start before it asks
         self._stolen: dict[int, int] = {}  # spare batches given away since its last reply
+        self._retired: set[int] = set()  # gave its batches back at the epoch's tail
+        self._told_over: set[int] = set()  # was told EPOCH_OVER this epoch
         self._last_seen: dict[int, float] = {}
         self._interval: dict[int, float] = {}  # seconds between a worker's requests (EMA)
 
@@ -95,6 +100,8 @@ class EpochBudget:
             self._own.clear()
             self._spare.clear()
             self._stolen.clear()
+            self._retired.clear()
+            self._told_over.clear()
         if worker not in self._begun:
             self._begun.add(worker)
             self.pool += max(0, epoch_batches)
@@ -120,10 +127,35 @@ class EpochBudget:
         """
         self._tick(worker)
         stolen = self._stolen.pop(worker, 0)
+        held -= stolen
+        if lends and held > 0 and self._better_left_to_others(worker, held):
+            # the epoch's tail: the faster workers finish the pool and everything this worker
+            # holds before it would finish one more batch: it returns all and stops
+            self._refund(worker, held)
+            self._retired.add(worker)
+            self._spare[worker] = 0
+            return -(held + stolen), self.flags(worker)
         count = self._take(worker, max(0, want), at_least=0)
-        holds = held - stolen + count
-        self._spare[worker] = max(0, holds - 1) if lends and self.share else 0
+        self._spare[worker] = max(0, held + count - 1) if lends and self.share else 0
         return count - stolen, self.flags(worker)
+
+    def _better_left_to_others(self, worker: int, held: int) -> bool:
+        """Would the faster workers still in the epoch finish the pool and ``held`` batches
+        sooner than ``worker`` finishes its next one?"""
+        mine = self._interval.get(worker)
+        if mine is None or not self.share or not self.epoch_open:
+            return False
+        faster = [
+            self._interval[other]
+            for other in self._begun
+            if other != worker
+            and other not in self._told_over
+            and other not in self._retired
+            and self._interval.get(other, mine) < mine
+        ]
+        if not faster:
+            return False
+        return (self.pool + held) / sum(1.0 / interval for interval in faster) < mine
 
     def _tick(self, worker: int) -> None:
         now = self._clock()
@@ -161,8 +193,10 @@ class EpochBudget:
         lendable = (
             sum(self._spare[other] for other in self._slower(worker)) if worker is not None else 0
         )
-        if self.available(worker) == 0 and lendable == 0:
+        if (self.available(worker) == 0 and lendable == 0) or worker in self._retired:
             flags |= ReplyFlag.EPOCH_OVER
+            if worker is not None:
+                self._told_over.add(worker)
         if self.run_remaining is not None and self.run_remaining <= 0:
             flags |= ReplyFlag.RUN_OVER
         return flags
@@ -174,6 +208,8 @@ class EpochBudget:
     def _take(self, worker: int, want: int, at_least: int) -> int:
         # at_least lets every worker train at least one batch per epoch, so that all ranks
         # reach the epoch end (and Lightning's collectives there) together.
+        if worker in self._retired:
+            return 0
         count = max(at_least, min(want, self.available(worker)))
         self.pool -= count
         self.granted += count
