@@ -369,6 +369,29 @@ def test_empty_pool_lends_a_slower_workers_spare_batches_to_a_faster_one():
     assert budget.grant(0, 2, held=0) == (0, ReplyFlag.EPOCH_OVER)
 
 
+def test_at_the_tail_a_slow_worker_returns_everything_the_fast_ones_finish_sooner():
+    """Worker 0 needs 3 s a batch, worker 1 needs 1 s: with 1 batch in the pool and 1 held by
+    worker 0, worker 1 does both in 2 s < 3 s, so worker 0 returns its batch (also the one it
+    would have started) and stops; the epoch still trains exactly its batches."""
+    clock = _Clock()
+    budget = EpochBudget(clock=clock)
+    budget.begin(0, 2, 1)
+    budget.begin(1, 2, 1)  # pool 2
+    clock.now = 1.0
+    budget.grant(1, 0, held=0)
+    clock.now = 2.0
+    budget.grant(1, 0, held=0)  # worker 1: every second
+    clock.now = 3.0
+    assert budget.grant(0, 1, held=0) == (1, ReplyFlag.NONE)  # 3 s: pool 1 left, it holds 1
+    clock.now = 6.0
+    # worker 0 still holds its batch (held=1); worker 1 would finish it and the pool's in 2 s
+    assert budget.grant(0, 1, held=1) == (-1, ReplyFlag.EPOCH_OVER)
+    assert budget.pool == 2
+    clock.now = 6.5
+    assert budget.grant(1, 2, held=0) == (2, ReplyFlag.EPOCH_OVER)
+    assert budget.granted == 4 and budget.grant(0, 1, held=0)[0] == 0  # it stays out
+
+
 def test_a_worker_that_keeps_its_grants_lends_nothing():
     clock = _Clock()
     budget = EpochBudget(clock=clock)
