@@ -60,19 +60,23 @@ def test_bad_model_arguments_raise_at_construction():
 def test_convnet_learns_digits(tmp_path):
     data = build_datamodule("digits", batch_size=32)
     model = build_model("convnet", data, lr=0.05)
-    trainer = Trainer(
+    trainer = _quiet_trainer(max_epochs=4, default_root_dir=tmp_path)
+    trainer.fit(model, data)
+    assert trainer.callback_metrics["val_acc"] > 0.9
+    assert trainer.callback_metrics["train_loss"] < 0.5
+
+
+def _quiet_trainer(**options):
+    """A one-process CPU Trainer without logger, checkpoints, progress bar or summary."""
+    return Trainer(
         accelerator="cpu",
         devices=1,
-        max_epochs=4,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        default_root_dir=tmp_path,
+        **options,
     )
-    trainer.fit(model, data)
-    assert trainer.callback_metrics["val_acc"] > 0.9
-    assert trainer.callback_metrics["train_loss"] < 0.5
 
 
 def test_deep_mlp_leaves_the_chance_plateau(tmp_path):
@@ -80,17 +84,7 @@ def test_deep_mlp_leaves_the_chance_plateau(tmp_path):
     # (vgg_mini's init is checked by the benchmark runs quoted in the docs: too slow here)
     data = build_datamodule("digits", batch_size=32)
     model = build_model("mlp", data)
-    trainer = Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_epochs=1,
-        limit_val_batches=4,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-    )
+    trainer = _quiet_trainer(max_epochs=1, limit_val_batches=4, default_root_dir=tmp_path)
     trainer.fit(model, data)
     assert trainer.callback_metrics["val_acc"] > 0.3
 
@@ -104,15 +98,8 @@ def test_cosine_schedule_decays_the_learning_rate_to_zero_over_the_fit():
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             seen.append(trainer.optimizers[0].param_groups[0]["lr"])
 
-    trainer = Trainer(
-        max_epochs=2,
-        limit_train_batches=4,
-        limit_val_batches=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[Watch()],
+    trainer = _quiet_trainer(
+        max_epochs=2, limit_train_batches=4, limit_val_batches=0, callbacks=[Watch()]
     )
     trainer.fit(model, datamodule=data)
     expected = [0.05 * (1 + math.cos(math.pi * t / 8)) for t in range(8)]
