@@ -514,6 +514,10 @@ class WeightPredictor:
                 "learning_rate_scale != 1 needs the optimizer whose learning rates it scales"
             )
         self._unscaled: list[Any] | None = None
+        self._init_state()
+
+    def _init_state(self) -> None:
+        """Set up what a subclass keeps per micro-batch (called at the end of ``__init__``)."""
 
     @property
     def staleness(self) -> int:
@@ -583,24 +587,7 @@ class WeightStashing(WeightPredictor):
 
     name = "stash"
 
-    def __init__(
-        self,
-        parameters: Sequence[nn.Parameter],
-        *,
-        stage: int,
-        stages: int,
-        meter: PredictionErrorMeter | None = None,
-        optimizer: Optimizer | None = None,
-        learning_rate_scale: float = 1.0,
-    ) -> None:
-        super().__init__(
-            parameters,
-            stage=stage,
-            stages=stages,
-            meter=meter,
-            optimizer=optimizer,
-            learning_rate_scale=learning_rate_scale,
-        )
+    def _init_state(self) -> None:
         self._version_of: dict[int, int] = {}
         self._snapshots: dict[int, list[Tensor]] = {}
 
@@ -638,25 +625,9 @@ class DoubleBufferedWeights(WeightStashing):
 
     name = "2bw"
 
-    def __init__(
-        self,
-        parameters: Sequence[nn.Parameter],
-        *,
-        stage: int,
-        stages: int,
-        meter: PredictionErrorMeter | None = None,
-        optimizer: Optimizer | None = None,
-        learning_rate_scale: float = 1.0,
-    ) -> None:
-        super().__init__(
-            parameters,
-            stage=stage,
-            stages=stages,
-            meter=meter,
-            optimizer=optimizer,
-            learning_rate_scale=learning_rate_scale,
-        )
-        self.update_period = stages
+    def _init_state(self) -> None:
+        super()._init_state()
+        self.update_period = self.stages
 
     @property
     def staleness(self) -> int:
