@@ -112,7 +112,7 @@ class EpochBudget:
             self._refund(worker, self._granted_to.get(worker, 0))
         self._tick(worker)
         count = self._take(worker, max(1, want), at_least=1)
-        self._spare[worker] = max(0, count - 1) if lends and self.share else 0
+        self._set_spare(worker, count, lends)
         return count, self.flags(worker)
 
     def grant(
@@ -123,7 +123,8 @@ class EpochBudget:
         The grant is net of the spare batches faster workers took from this one since its
         last reply (so it may be negative). ``lends``: the worker starts at most one batch
         before it asks again, so all but one of what it then holds may be lent to faster
-        workers (``False`` for a worker that overlaps its exchanges: nothing is lent).
+        workers (``False`` for a worker that may start several between requests: overlapped
+        steps, gradient accumulation; nothing is lent).
         """
         self._tick(worker)
         stolen = self._stolen.pop(worker, 0)
@@ -136,8 +137,13 @@ class EpochBudget:
             self._spare[worker] = 0
             return -(held + stolen), self.flags(worker)
         count = self._take(worker, max(0, want), at_least=0)
-        self._spare[worker] = max(0, held + count - 1) if lends and self.share else 0
+        self._set_spare(worker, held + count, lends)
         return count - stolen, self.flags(worker)
+
+    def _set_spare(self, worker: int, holds: int, lends: bool) -> None:
+        # the worker starts one of the ``holds`` batches before it asks again: the rest may go
+        # to faster workers
+        self._spare[worker] = max(0, holds - 1) if lends and self.share else 0
 
     def _better_left_to_others(self, worker: int, held: int) -> bool:
         """Would the faster workers still in the epoch finish the pool and ``held`` batches

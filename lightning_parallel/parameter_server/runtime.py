@@ -48,6 +48,15 @@ log = logging.getLogger(__name__)
 _NO_TIMEOUT = timedelta(days=365)
 
 
+def check_overlap(overlap: bool, policy: UpdatePolicy) -> None:
+    """Refuse ``overlap`` with an SSP bound, naming the fix."""
+    if overlap and policy.max_staleness is not None:
+        raise ValueError(
+            "overlap=True computes every gradient on weights one exchange older, which the SSP "
+            "bound cannot account for; drop max_staleness (unbounded) or set overlap=False"
+        )
+
+
 def trained_parameters(optimizer: Optimizer) -> list[Tensor]:
     """The parameters ``optimizer`` trains, in its order (the flat order of the server)."""
     return [parameter for group in optimizer.param_groups for parameter in group["params"]]
@@ -158,12 +167,7 @@ class ParameterServerRuntime:
             )
         if timeout <= 0:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
-        if overlap and policy.max_staleness is not None:
-            raise ValueError(
-                "overlap=True computes every gradient on weights one exchange older, which "
-                "the SSP bound cannot account for; use max_staleness=None with overlap, or "
-                "overlap=False with a staleness bound"
-            )
+        check_overlap(overlap, policy)
         self.optimizer = optimizer
         self.policy = policy
         self.timeout = float(timeout)

@@ -61,7 +61,7 @@ from lightning_parallel.parameter_server.data import BudgetedLoader
 from lightning_parallel.parameter_server.faults import WorkerFailure
 from lightning_parallel.parameter_server.policies import UpdatePolicy
 from lightning_parallel.parameter_server.protocol import parse_wire_dtype
-from lightning_parallel.parameter_server.runtime import ParameterServerRuntime
+from lightning_parallel.parameter_server.runtime import ParameterServerRuntime, check_overlap
 from lightning_parallel.strategies.arguments import as_bool
 from lightning_parallel.strategies.registry import register_strategy
 
@@ -148,12 +148,7 @@ class ParameterServerStrategy(DDPStrategy):
         self.lr_scale_auto = lr_scale == "auto"
         self.overlap = as_bool("overlap", overlap)
         self.wire_dtype = parse_wire_dtype(wire_dtype)
-        if self.overlap and self.policy.max_staleness is not None:
-            raise ValueError(
-                "overlap=True computes every gradient on weights one exchange older, which "
-                "the SSP bound cannot account for; drop max_staleness (unbounded) or set "
-                "overlap=False"
-            )
+        check_overlap(self.overlap, self.policy)
         if int(server_rank) != server_rank or server_rank < 0:
             raise ValueError(f"server_rank must be a global rank >= 0, got {server_rank!r}")
         if int(shards) != shards or shards < 1:
