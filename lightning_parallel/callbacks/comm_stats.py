@@ -9,8 +9,11 @@
    C++, out of Python's sight: for it, each optimizer step adds the ring-allreduce cost of the
    gradients, ``2·(W−1)/W · Σ bytes(grad)``;
 3. after each optimizer step it drains the ledger and logs ``comm/bytes`` (bytes this rank
-   sent during the step), ``comm/seconds`` (blocking time in communication), ``comm/calls``,
-   and every strategy gauge as ``comm/<gauge>``;
+   sent during the step), ``comm/seconds`` (blocking time in communication), ``comm/calls``;
+   every strategy gauge is logged as ``comm/<gauge>`` on the steps whose metrics the trainer
+   writes (``log_every_n_steps``): a gauge is a current value, so the loggers see the same
+   figures, and a step does not pay ``LightningModule.log`` for dozens of gauges it would
+   discard (Hylo's per-layer gauges, the parameter server's histogram);
 4. it keeps per-process totals in :attr:`totals` and a per-step :attr:`history`.
 
 Example::
@@ -61,13 +64,26 @@ class CommStats(Callback):
         log: log the figures through the trainer's loggers (``False``: only collect them).
         prog_bar: also show ``comm/bytes`` in the progress bar.
         ledger: the ledger to read (default: this process's ledger).
+        gauges_every_n_steps: log the gauges every n optimizer steps instead (``None``: on the
+            steps the trainer writes, every ``log_every_n_steps``).
     """
 
     def __init__(
-        self, log: bool = True, prog_bar: bool = False, ledger: CommLedger | None = None
+        self,
+        log: bool = True,
+        prog_bar: bool = False,
+        ledger: CommLedger | None = None,
+        gauges_every_n_steps: int | None = None,
     ) -> None:
-        self.log = log
+        if gauges_every_n_steps is not None and gauges_every_n_steps < 1:
+            raise ValueError(
+                f"gauges_every_n_steps must be >= 1 or None (follow the trainer's "
+                f"log_every_n_steps), got {gauges_every_n_steps}"
+            )
+        # not ``self.log``: Lightning sets every callback's ``log`` to the module's ``log``
+        self.log_metrics = log
         self.prog_bar = prog_bar
+        self.gauges_every_n_steps = gauges_every_n_steps
         self.ledger = ledger if ledger is not None else process_ledger()
         self.totals = CommTotals()
         self.history: list[dict[str, float]] = []
@@ -138,9 +154,10 @@ class CommStats(Callback):
         row = {"step": float(trainer.global_step), "bytes": sent, "seconds": seconds}
         row.update({f"gauge/{k}": v for k, v in self.ledger.gauges.items()})
         self.history.append(row)
-        if self.log:
+        if self.log_metrics:
             metrics = {"comm/bytes": sent, "comm/seconds": seconds, "comm/calls": float(calls)}
-            metrics.update({f"comm/{k}": v for k, v in self.ledger.gauges.items()})
+            if self._gauges_due(trainer):
+                metrics.update({f"comm/{k}": v for k, v in self.ledger.gauges.items()})
             for name, value in metrics.items():
                 pl_module.log(
                     name,
@@ -150,3 +167,12 @@ class CommStats(Callback):
                     prog_bar=self.prog_bar and name == "comm/bytes",
                     rank_zero_only=True,
                 )
+
+    def _gauges_due(self, trainer: pl.Trainer) -> bool:
+        if self.gauges_every_n_steps is not None:
+            return trainer.global_step % self.gauges_every_n_steps == 0
+        # Lightning's own test, evaluated where it evaluates it (after on_train_batch_end);
+        # every step if a later Lightning no longer has it
+        connector = getattr(trainer, "_logger_connector", None)
+        due = getattr(connector, "should_update_logs", True)
+        return bool(due) or bool(getattr(trainer, "fast_dev_run", False))

@@ -1,3 +1,4 @@
+import pytest
 import torch
 from pytorch_lightning import LightningModule, Trainer
 from pytorch_lightning.strategies import DDPStrategy
@@ -5,6 +6,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_parallel.callbacks import CommStats
+from lightning_parallel.comm.ledger import CommLedger
 
 
 class _Tiny(LightningModule):
@@ -56,3 +58,58 @@ def test_bytes_are_per_optimizer_step_under_gradient_accumulation():
     trainer = _fit(accumulate=2)
     reported = trainer.callback_metrics["comm/bytes"].item()
     assert 528 <= reported < 528 + 64
+
+
+class _Gauged(_Tiny):
+    """Sets a gauge in a ledger each step, as a strategy would; records what is logged when."""
+
+    def __init__(self, ledger: CommLedger) -> None:
+        super().__init__()
+        self.ledger = ledger
+        self.logged: dict[str, list[int]] = {}
+
+    def training_step(self, batch, batch_idx):
+        self.ledger.set_gauge("probe", float(self.global_step))
+        return super().training_step(batch, batch_idx)
+
+    def log(self, name, value, *args, **kwargs) -> None:
+        self.logged.setdefault(name, []).append(self.trainer.global_step)
+        super().log(name, value, *args, **kwargs)
+
+
+def _single(stats: CommStats, **trainer_options) -> dict[str, list[int]]:
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=8,
+        callbacks=[stats],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **trainer_options,
+    )
+    model = _Gauged(stats.ledger)
+    trainer.fit(model, _loader())
+    assert stats.totals.steps == 8 and len(stats.history) == 8  # collected in any case
+    return model.logged
+
+
+def test_log_false_logs_nothing_although_lightning_sets_every_callbacks_log():
+    # Lightning assigns the module's `log` to an attribute `log` of every callback: the switch
+    # must live elsewhere, or log=False is silently ignored
+    logged = _single(CommStats(log=False, ledger=CommLedger()))
+    assert not any(name.startswith("comm/") for name in logged)
+
+
+def test_gauges_are_logged_on_the_steps_the_trainer_writes():
+    logged = _single(CommStats(ledger=CommLedger()), log_every_n_steps=4)
+    assert logged["comm/bytes"] == list(range(1, 9))  # every step
+    assert logged["comm/probe"] == [4, 8]
+
+
+def test_gauges_every_n_steps_overrides_the_trainer():
+    logged = _single(CommStats(ledger=CommLedger(), gauges_every_n_steps=2), log_every_n_steps=4)
+    assert logged["comm/probe"] == [2, 4, 6, 8]
+    with pytest.raises(ValueError, match="gauges_every_n_steps"):
+        CommStats(gauges_every_n_steps=0)

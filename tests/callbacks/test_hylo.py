@@ -98,7 +98,9 @@ def test_without_compression_a_fit_equals_ddp_exactly(callback: HyloCompression)
 
 def test_compressed_fit_runs_the_hook_every_step_and_reports_through_comm_stats() -> None:
     _, reference = _fit([])
-    trainer, weights = _fit([_hylo(warmup_steps=2, telemetry_every_n_steps=1), CommStats()])
+    trainer, weights = _fit(
+        [_hylo(warmup_steps=2, telemetry_every_n_steps=1), CommStats(gauges_every_n_steps=1)]
+    )
     metrics = trainer.callback_metrics
     assert metrics["hylo/steps"].item() == 8
     assert metrics["hylo/hook_calls"].item() >= 8
@@ -237,7 +239,8 @@ def test_under_model_averaging_without_compression_rounds_equal_plain_averaging(
 def test_under_model_averaging_the_round_delta_is_compressed(algorithm: str) -> None:
     _, reference = _fit([], strategy=_averaging(algorithm=algorithm))
     trainer, weights = _fit(
-        [_hylo(telemetry_every_n_steps=1), CommStats()], strategy=_averaging(algorithm=algorithm)
+        [_hylo(telemetry_every_n_steps=1), CommStats(gauges_every_n_steps=1)],
+        strategy=_averaging(algorithm=algorithm),
     )
     metrics = trainer.callback_metrics
     assert metrics["hylo/hook_calls"].item() >= 3  # one exchange per round
