@@ -10,7 +10,8 @@ It reads the cluster's environment (``NODE_RANK``, ``LOCAL_RANK``, ``WORLD_SIZE`
 one torch thread, and writes ``DIR/rank<R>.json`` with:
 
 1. per training batch, its time from ``on_train_batch_start`` to ``on_train_batch_end``
-   (forward, backward, communication, optimizer step; data loading excluded);
+   (forward, backward, communication, optimizer step; data loading excluded), and the samples
+   trained (a batch the strategy skipped, counted by its ``skipped_batches``, adds none);
 2. validation accuracy and loss at every validation, with the wall time since training began
    (a final validation runs after fit when the last step was not validated);
 3. the host interface's kernel counter ``tx_bytes`` at train start and end (local rank 0 only:
@@ -59,6 +60,11 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # kB on Linux
 
 
+def _skipped_batches(trainer: Any) -> int:
+    """Batches the strategy skipped so far (``skipped_batches``; 0 for strategies without it)."""
+    return int(getattr(trainer.strategy, "skipped_batches", 0))
+
+
 def _make_probe(interface: str | None) -> Any:
     """The callback that measures steps, validations and the interface counter."""
     import pytorch_lightning as pl
@@ -76,6 +82,7 @@ def _make_probe(interface: str | None) -> Any:
             self._batch_start = 0.0
             self._previous_end: float | None = None
             self._validation_start = 0.0
+            self._skipped_before = 0
 
         def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
             self.tx_start = _tx_bytes(interface)
@@ -92,6 +99,7 @@ def _make_probe(interface: str | None) -> Any:
             # is part of the step. The first step of an epoch starts here.
             now = time.perf_counter()
             self._batch_start = self._previous_end if self._previous_end is not None else now
+            self._skipped_before = _skipped_batches(trainer)
 
         def on_train_batch_end(
             self,
@@ -103,8 +111,11 @@ def _make_probe(interface: str | None) -> Any:
         ) -> None:
             self._previous_end = time.perf_counter()
             self.step_seconds.append(self._previous_end - self._batch_start)
-            first = batch[0] if isinstance(batch, (list, tuple)) else batch
-            self.samples += len(first)
+            # a batch the strategy did not train (the parameter server's epoch tail: its grant
+            # went to a faster worker) keeps its time but adds no samples
+            if _skipped_batches(trainer) == self._skipped_before:
+                first = batch[0] if isinstance(batch, (list, tuple)) else batch
+                self.samples += len(first)
 
         def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
             self._validation_start = time.perf_counter()
