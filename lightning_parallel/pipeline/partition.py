@@ -14,7 +14,12 @@ the optimum; dynamic programming cannot:
    stage's input, and ``n_k`` the micro-batches in flight: ``m`` for GPipe, ``min(m, p−k)``
    for 1F1B;
 3. ``T[k][j] = min over i of max(T[k−1][i], t(k, i, j))`` over splits whose stages all fit the
-   memory cap; ``T[p−1][n]`` is the optimum, found in ``O(p·n²)``.
+   memory cap; ``T[p−1][n]`` is the optimum, found in ``O(p·n²)``;
+4. near-ties are settled by parameters, not by timing noise: among the splits whose every stage
+   takes at most ``(1 + tolerance)·T*``, the same recursion picks the one whose largest stage
+   holds the fewest parameter bytes. Layers of equal cost (a stack of identical blocks) time a
+   few percent apart from run to run, and without this step the chosen boundary moved with them
+   (and with it the training arithmetic).
 
 The projection of a flushing schedule with per-micro-batch stage times ``t_k``:
 step time ``S = Σ_k t_k + (m−1)·max_k t_k`` (fill, then the slowest stage paces the rest),
@@ -111,6 +116,9 @@ class _CostModel:
     def seconds(self, stage: int, start: int, end: int) -> float:
         return self.time[end] - self.time[start]
 
+    def parameter_bytes(self, stage: int, start: int, end: int) -> float:
+        return self.parameters[end] - self.parameters[start]
+
     def memory(self, stage: int, start: int, end: int) -> float:
         layers = self.profile.layers
         held = in_flight(self.schedule, stage, self.stages, self.micro_batches)
@@ -198,6 +206,7 @@ def partition(
     memory_limit_bytes: float | None = None,
     parameter_factor: float = 3.0,
     allowed_boundaries: Sequence[int] | None = None,
+    tolerance: float = 0.05,
 ) -> PartitionPlan:
     """The split of ``profile``'s layers into ``stages`` stages with the fastest slowest stage.
 
@@ -211,12 +220,17 @@ def partition(
         parameter_factor: bytes held per parameter byte (weights + gradients + optimizer
             state: 3 for SGD with momentum, 4 for Adam).
         allowed_boundaries: cut positions to choose from (default: all).
+        tolerance: splits whose slowest stage is within this fraction of the fastest count as
+            ties; the tie whose largest stage holds the fewest parameter bytes wins (0: the
+            fastest projection alone decides).
 
     Raises:
         PartitionError: more stages than layers, or no split fits ``memory_limit_bytes`` (the
             message gives the least memory any split needs).
     """
     check_recompute_mode(recompute)
+    if tolerance < 0:
+        raise ValueError(f"tolerance must be >= 0, got {tolerance}")
     layer_count = len(profile)
     if stages < 1 or stages > layer_count:
         raise PartitionError(
@@ -237,4 +251,14 @@ def partition(
             f"bytes per stage (the best split needs {need}); raise the memory limit, use "
             "recompute='always', more stages, fewer micro-batches or schedule='1f1b'"
         )
-    return plan_for(profile, found[1], micro_batches, schedule, recompute, parameter_factor)
+    boundaries = found[1]
+    if tolerance > 0:
+        bound = found[0] * (1.0 + tolerance)
+
+        def near(stage: int, start: int, end: int) -> bool:
+            return fits(stage, start, end) and model.seconds(stage, start, end) <= bound
+
+        balanced = _minimax(layer_count, stages, model.parameter_bytes, near, allowed)
+        if balanced is not None:  # the fastest split itself is always a candidate
+            boundaries = balanced[1]
+    return plan_for(profile, boundaries, micro_batches, schedule, recompute, parameter_factor)
