@@ -17,9 +17,9 @@ the optimum; dynamic programming cannot:
    memory cap; ``T[p−1][n]`` is the optimum, found in ``O(p·n²)``;
 4. near-ties are settled by parameters, not by timing noise: among the splits whose every stage
    takes at most ``(1 + tolerance)·T*``, the same recursion picks the one whose largest stage
-   holds the fewest parameter bytes. Layers of equal cost (a stack of identical blocks) time a
-   few percent apart from run to run, and without this step the chosen boundary moved with them
-   (and with it the training arithmetic).
+   holds the fewest parameter bytes. Cuts of nearly equal cost (either side of an activation
+   in a stack of identical blocks) swap places with timing noise from run to run, and without
+   this step the chosen boundary moved with them (and with it the training arithmetic).
 
 The projection of a flushing schedule with per-micro-batch stage times ``t_k``:
 step time ``S = Σ_k t_k + (m−1)·max_k t_k`` (fill, then the slowest stage paces the rest),
