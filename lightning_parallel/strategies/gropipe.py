@@ -471,6 +471,8 @@ class GroPipeStrategy(DDPStrategy):
             self.stages, k, groups.pipeline, topology.rank(self.group_index, self.stages - 1)
         )
         self._boundaries, self.partition_plan = boundaries, plan
+        for index, boundary in enumerate(boundaries):  # which split ran, in every record
+            process_ledger().set_gauge(f"partition_boundary_{index}", float(boundary))
         self._pipeline = _Pipeline(
             stages, boundaries, owned, owned_parameters, runtime, summary, plan
         )

@@ -178,6 +178,9 @@ def test_metrics_on_every_rank_callbacks_and_telemetry(tmp_path: Path) -> None:
         strategy_projection(gauges), rel=1e-9
     )
     assert gauges["stage0_seconds_measured"] > 0 and gauges["stage1_seconds_projected"] > 0
+    # the split that ran is recorded, and every rank ran the same one
+    assert gauges["partition_boundary_0"] >= 1
+    assert reports[1]["gauges"]["partition_boundary_0"] == gauges["partition_boundary_0"]
     assert list(tmp_path.glob("*.ckpt")), "ModelCheckpoint saved nothing"
     assert (tmp_path / "timeline.png").stat().st_size > 0
 
