@@ -18,8 +18,9 @@ the optimum; dynamic programming cannot:
 4. near-ties are settled by parameters, not by timing noise: among the splits whose every stage
    takes at most ``(1 + tolerance)·T*``, the same recursion picks the one whose largest stage
    holds the fewest parameter bytes. Cuts of nearly equal cost (either side of an activation
-   in a stack of identical blocks) swap places with timing noise from run to run, and without
-   this step the chosen boundary moved with them (and with it the training arithmetic).
+   in a stack of identical blocks) would otherwise swap places with timing noise from run to
+   run, and the training arithmetic with them. Noise larger than the tolerance still moves
+   the split: pass explicit boundaries where runs must repeat exactly.
 
 The projection of a flushing schedule with per-micro-batch stage times ``t_k``:
 step time ``S = Σ_k t_k + (m−1)·max_k t_k`` (fill, then the slowest stage paces the rest),
