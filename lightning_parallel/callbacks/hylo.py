@@ -101,7 +101,7 @@ class HyloCompression(Callback):
         conv_rate: float = 0.05,
         fc_bits: int = 2,
         threshold_factor: float = 1.0,
-        min_compress_numel: int = 8192,
+        min_compress_numel: int = 65536,
         warmup_steps: int = 0,
         exchange: str = "auto",
         cost_model: bool = True,

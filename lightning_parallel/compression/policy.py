@@ -118,7 +118,7 @@ class HyloPolicy:
         conv_rate: float = 0.05,
         fc_bits: int = 2,
         threshold_factor: float = 1.0,
-        min_compress_numel: int = 8192,
+        min_compress_numel: int = 65536,
         reference_numel: int = 65536,
         rate_exponent: float = 0.5,
         min_rate: float = 0.01,

@@ -64,7 +64,7 @@ class HyloStrategy(DDPStrategy):
         conv_rate: float | str = 0.05,
         fc_bits: int | str = 2,
         threshold_factor: float | str = 1.0,
-        min_compress_numel: int | str = 8192,
+        min_compress_numel: int | str = 65536,
         warmup_steps: int | str = 0,
         exchange: str = "auto",
         cost_model: bool | str = True,
