@@ -57,6 +57,34 @@ def test_two_bit_blocks_of_512_by_default_and_one_scale_per_tensor_on_request() 
     assert isinstance(codec, TwoBitQuantizer) and codec.block_size == 64
 
 
+def test_default_threshold_keeps_small_convolutions_and_the_output_layer_dense() -> None:
+    # vgg_mini's shapes on digits: the defaults compress the two large convolutions and the two
+    # large linear layers; the 10-class output layer (10,240 weights) and the small early
+    # convolutions stay dense (compressing them cost 3 to 4 points of accuracy, docs/hylo.md).
+    shapes = {
+        "conv1": (32, 32, 3, 3),
+        "conv2": (64, 32, 3, 3),
+        "conv3": (64, 64, 3, 3),
+        "conv4": (128, 64, 3, 3),
+        "conv5": (128, 128, 3, 3),
+        "fc1": (4096, 2048),
+        "fc2": (1024, 4096),
+        "out": (10, 1024),
+    }
+    policy = HyloPolicy()
+    routes = {name: policy.assign(name, shape).route for name, shape in shapes.items()}
+    assert routes == {
+        "conv1": "dense",
+        "conv2": "dense",
+        "conv3": "dense",
+        "conv4": "kernel",
+        "conv5": "kernel",
+        "fc1": "two_bit",
+        "fc2": "two_bit",
+        "out": "dense",
+    }
+
+
 def test_fc_bits_32_leaves_linear_layers_uncompressed() -> None:
     plans = HyloPolicy(min_compress_numel=4096, fc_bits=32).plan(_model().named_parameters())
     assert plans["4.weight"].route == "dense"
