@@ -58,6 +58,36 @@ class Codec(ABC):
     def decode(self, encoded: Encoded) -> Tensor:
         """Rebuild a dense tensor with the shape and dtype of the tensor that was encoded."""
 
+    def encode_(self, tensor: Tensor, workspace: Tensor | None = None) -> Encoded:
+        """Encode ``tensor`` and leave what was not sent in it: ``tensor - decode(encoded)``.
+
+        This is the error-feedback step of a codec, on the residual storage itself
+        (:meth:`ErrorFeedback.compensate_` returns it). The default encodes, decodes and
+        subtracts; a codec whose encoding computes the residual on the way (the 2-bit
+        quantizer) overrides it to skip the copy, the decode and the subtraction.
+
+        Args:
+            tensor: the compensated gradient ``p = g + e``, overwritten with the new residual.
+            workspace: optional scratch tensor of ``tensor``'s size, reused across steps.
+        """
+        encoded = self.encode(tensor)
+        # A payload may alias the input (the identity codec sends the tensor itself): it must
+        # keep the values sent, not the residual written below.
+        storage = tensor.untyped_storage().data_ptr()
+        encoded.payload = [
+            part.clone() if part.untyped_storage().data_ptr() == storage else part
+            for part in encoded.payload
+        ]
+        tensor.sub_(self.decode(encoded))
+        return encoded
+
+    def decode_add_(self, encoded: Encoded, out: Tensor, workspace: Tensor | None = None) -> Tensor:
+        """Add the decoded tensor to ``out`` (of the encoded tensor's size) and return ``out``.
+
+        ``workspace``: optional scratch tensor of ``out``'s size that a codec may decode into.
+        """
+        return out.add_(self.decode(encoded).reshape(out.shape))
+
     def payload_nbytes(self, shape: torch.Size | tuple[int, ...]) -> int:
         """Bytes of the payload for a tensor of ``shape`` (float32), without encoding one."""
         return self.encode(torch.zeros(shape)).nbytes()

@@ -506,8 +506,8 @@ class HyloExchange:
             clock.start()
             codec = layer.plan.codec
             p = self.memory.compensate_(layer.plan.name, layer.gradient)
-            encoded = codec.encode(p.view(layer.plan.shape))
-            p.sub_(codec.decode(encoded).reshape(-1))  # the residual: what was not sent
+            # p becomes the residual, what was not sent
+            encoded = codec.encode_(p.view(layer.plan.shape), self._workspace(layer.plan.name, p))
             payloads.extend(encoded.payload)
             encodings.append(encoded)
             clock.reports[layer.plan.name].bytes_sent += (world - 1) * encoded.nbytes()
@@ -529,10 +529,12 @@ class HyloExchange:
             clock.start()
             count = len(encoded.payload)
             layer.gradient.zero_()
+            # the layer's encode workspace is free again: the codec may decode into it
+            workspace = self._workspace(layer.plan.name, layer.gradient)
             for tensors in per_rank:  # a loop over ranks; each decode is whole-tensor
                 payload = tensors[start : start + count]
-                decoded = layer.plan.codec.decode(Encoded(payload, encoded.context))
-                layer.gradient.add_(decoded.reshape(-1))
+                encoded_here = Encoded(payload, encoded.context)
+                layer.plan.codec.decode_add_(encoded_here, layer.gradient, workspace)
             start += count
             layer.gradient.div_(world)
             clock.lap(layer.plan.name, "decode")

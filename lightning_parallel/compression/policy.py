@@ -17,7 +17,7 @@ classifier's output layer dense. They hold little of the bytes, and their gradie
 most per value. On ``vgg_mini`` (digits, 2 ranks, 10 epochs), 2-bit codes on its 10-class
 output layer and kernel top-k on its 9,216- to 36,864-weight convolutions (threshold 8,192)
 cost 3 to 4 points of final accuracy against DDP on each of three seeds. They saved 0.27 MB
-of a 3.7 MB step. With 65,536 the gap fell to SEED_GAP_SHORT (``docs/hylo.md``).
+of a 3.7 MB step. With 65,536 the gap was -2.3, -0.8 and +0.8 points (``docs/hylo.md``).
 
 With a peer codec (``"topk"``, ``"qsgd"``, ``"terngrad"``, ``"signsgd"``) every parameter of at
 least ``min_compress_numel`` values uses that codec, whatever its layer type; ``"none"``

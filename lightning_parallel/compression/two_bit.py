@@ -122,7 +122,8 @@ class TwoBitQuantizer(Codec):
             sign = signs[start:stop].view(rows, length)
             first = start // self.block_size if self.block_size else 0
             scale = scales[first : first + rows]
-            tau = torch.linalg.vector_norm(p, 1, dim=1, dtype=torch.float32)
+            # |p| into the workspace and a plain row sum: a third faster than an L1 norm
+            tau = torch.abs(p, out=sign).sum(dim=1, dtype=torch.float32)
             tau.mul_(self.threshold_factor / length)
             # An all-zero block: dividing by infinity codes every value 0 (no 0/0).
             divisor = torch.where(tau > 0, tau, torch.full_like(tau, math.inf))
@@ -131,11 +132,12 @@ class TwoBitQuantizer(Codec):
             code = codes[start:stop].view(rows, length)
             code.copy_(sign)
             if self.reconstruction == "mean":
-                # Per block: sum(p * sign) / #sent. The count is taken on the int8 codes and the
-                # product in the sign workspace (restored from the codes): a batched dot or a
-                # float count_nonzero per block costs two to three times as much.
-                sent = code.abs().sum(dim=1, dtype=torch.int32).clamp_(min=1)
+                # Per block: sum(p * sign) / #sent, both in the float workspace: p * sign is
+                # |p_i| where sent and 0 elsewhere, so its sign counts the values sent. Then the
+                # signs are restored from the int8 codes. Reductions over int8 codes, a batched
+                # dot or count_nonzero cost two to six times as much on CPU.
                 dots = torch.mul(p, sign, out=sign).sum(dim=1)
+                sent = sign.sign_().sum(dim=1).clamp_(min=1.0)
                 scale.copy_(dots / sent)
                 sign.copy_(code)
             else:
@@ -232,6 +234,40 @@ class TwoBitQuantizer(Codec):
             [pack_2bit(codes), scale.reshape(-1)],
             {"shape": tuple(tensor.shape), "dtype": tensor.dtype},
         )
+
+    def encode_(self, tensor: Tensor, workspace: Tensor | None = None) -> Encoded:
+        """:meth:`encode` on the residual storage: :meth:`quantize_` leaves ``p - Q(p)`` in it.
+
+        Bit for bit what the generic encode, decode and subtract give (``p - sign * s``
+        either way), with no copy of ``p``, no decode and no subtraction: about half the time
+        of the generic path on a 8.4M-value layer (one thread).
+        """
+        codes, scale = self.quantize_(tensor.detach().view(-1), workspace)
+        return Encoded(
+            [pack_2bit(codes), scale.reshape(-1)],
+            {"shape": tuple(tensor.shape), "dtype": tensor.dtype},
+        )
+
+    def decode_add_(self, encoded: Encoded, out: Tensor, workspace: Tensor | None = None) -> Tensor:
+        """``out += sign * s`` per block: the signs as floats in ``workspace``, one ``addcmul``.
+
+        (An ``addcmul`` straight from the ``int8`` signs promotes types element by element and
+        takes three times as long on CPU.)
+        """
+        words, scale = encoded.payload
+        flat = out.view(-1)
+        numel = flat.numel()
+        values = workspace.view(-1)[:numel] if workspace is not None else torch.empty_like(flat)
+        values.copy_(self.signs_from_words(words, numel))
+        scales = scale.reshape(-1).to(out.dtype)
+        for start, rows, length in self._segments(numel):
+            stop = start + rows * length
+            first = start // self.block_size if self.block_size else 0
+            target = flat[start:stop].view(rows, length)
+            target.addcmul_(
+                values[start:stop].view(rows, length), scales[first : first + rows, None]
+            )
+        return out
 
     def decode(self, encoded: Encoded) -> Tensor:
         """Dense tensor of ``+s``, ``-s`` and ``0``."""

@@ -59,6 +59,33 @@ def test_error_feedback_invariant(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", list(CODECS))
+def test_in_place_encode_and_decode_add_equal_the_generic_path(name: str) -> None:
+    """encode_ leaves p - decode(encode(p)) in p; decode_add_ adds decode(encoded): bit for bit.
+
+    The 2-bit quantizer overrides both (no copy, decode or subtraction; a float workspace
+    instead of an int8 multiply); the others inherit the generic path.
+    """
+    codec, shape = CODECS[name]
+    generator = torch.Generator().manual_seed(7)
+    compensated = torch.randn(shape, generator=generator) * torch.rand(shape, generator=generator)
+    state = codec.state_dict()
+    expected = codec.encode(compensated)  # stochastic codecs: the same noise below
+    expected_residual = compensated - codec.decode(expected)
+    codec.load_state_dict(state)
+    residual = compensated.clone()
+    workspace = torch.full((math.prod(shape),), float("nan"))  # stale contents must not leak
+    encoded = codec.encode_(residual, workspace)
+    assert all(torch.equal(a, b) for a, b in zip(encoded.payload, expected.payload))
+    assert torch.equal(residual, expected_residual)
+
+    out = torch.randn(shape, generator=generator)
+    expected_sum = out + codec.decode(encoded)
+    workspace.fill_(float("nan"))
+    assert codec.decode_add_(encoded, out, workspace) is out
+    assert torch.equal(out, expected_sum)
+
+
+@pytest.mark.parametrize("name", list(CODECS))
 def test_payload_size_depends_only_on_shape(name: str) -> None:
     codec, shape = CODECS[name]
     sizes = {codec.encode(torch.randn(shape) * scale).nbytes() for scale in (1e-3, 1.0, 1e3)}
