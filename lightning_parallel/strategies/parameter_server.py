@@ -104,8 +104,9 @@ class ParameterServerStrategy(DDPStrategy):
         start_method: how Lightning starts the processes: ``"popen"`` (default, like ``ddp``),
             ``"spawn"``, ``"fork"``, ``"forkserver"``; ignored when the processes are started
             by an outside launcher (torchrun, SLURM, the benchmark's cluster).
-        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
-        process_group_backend: as for Lightning's ``DDPStrategy``.
+        accelerator: as for Lightning's ``DDPStrategy``, and so are ``parallel_devices``,
+            ``cluster_environment``, ``checkpoint_io``, ``precision_plugin`` and
+            ``process_group_backend``.
     """
 
     strategy_name = "parameter_server"
