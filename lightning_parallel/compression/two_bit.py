@@ -240,7 +240,7 @@ class TwoBitQuantizer(Codec):
 
         Bit for bit what the generic encode, decode and subtract give (``p - sign * s``
         either way), with no copy of ``p``, no decode and no subtraction: about half the time
-        of the generic path on a 8.4M-value layer (one thread).
+        of the generic path on an 8.4M-value layer (one thread).
         """
         codes, scale = self.quantize_(tensor.detach().view(-1), workspace)
         return Encoded(
