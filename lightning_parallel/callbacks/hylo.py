@@ -35,6 +35,7 @@ from lightning_parallel.comm.ledger import process_ledger
 from lightning_parallel.compression import CostModel, HyloHook, HyloPolicy
 from lightning_parallel.compression.delta import CompressedDeltaMean
 from lightning_parallel.compression.exchange import TWO_BIT_EXCHANGES
+from lightning_parallel.compression.policy import MIN_COMPRESS_NUMEL
 
 __all__: list[str] = []
 
@@ -101,7 +102,7 @@ class HyloCompression(Callback):
         conv_rate: float = 0.05,
         fc_bits: int = 2,
         threshold_factor: float = 1.0,
-        min_compress_numel: int = 65536,
+        min_compress_numel: int = MIN_COMPRESS_NUMEL,
         warmup_steps: int = 0,
         exchange: str = "auto",
         cost_model: bool = True,

@@ -16,7 +16,7 @@ The default threshold, 65,536 values (256 KiB of float32), keeps small convoluti
 classifier's output layer dense. They hold little of the bytes, and their gradients matter
 most per value. On ``vgg_mini`` (digits, 2 ranks, 10 epochs), 2-bit codes on its 10-class
 output layer and kernel top-k on its 9,216- to 36,864-weight convolutions (threshold 8,192)
-cost 3 to 4 points of final accuracy against DDP on each of three seeds. They saved 0.27 MB
+cost 3 to 4 points of final accuracy against DDP on each of three seeds. They saved 0.26 MB
 of a 3.7 MB step. With 65,536 the gap was -2.3, -0.8 and +0.8 points (``docs/hylo.md``).
 
 With a peer codec (``"topk"``, ``"qsgd"``, ``"terngrad"``, ``"signsgd"``) every parameter of at
@@ -60,6 +60,8 @@ PEER_CODECS: dict[str, Callable[[Mapping[str, Any]], Codec]] = {
 }
 CODEC_NAMES = ("hylo", "none", *PEER_CODECS)
 FC_BITS = (2, 32)
+#: parameters with fewer values go uncompressed by default (see the module docstring)
+MIN_COMPRESS_NUMEL = 65536
 
 
 @dataclass(frozen=True)
@@ -125,7 +127,7 @@ class HyloPolicy:
         conv_rate: float = 0.05,
         fc_bits: int = 2,
         threshold_factor: float = 1.0,
-        min_compress_numel: int = 65536,
+        min_compress_numel: int = MIN_COMPRESS_NUMEL,
         reference_numel: int = 65536,
         rate_exponent: float = 0.5,
         min_rate: float = 0.01,

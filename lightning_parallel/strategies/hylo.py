@@ -21,6 +21,7 @@ from pytorch_lightning.strategies import DDPStrategy
 from typing_extensions import override
 
 from lightning_parallel.callbacks.hylo import HyloCompression
+from lightning_parallel.compression.policy import MIN_COMPRESS_NUMEL
 from lightning_parallel.strategies.arguments import as_bool, optional_bool
 from lightning_parallel.strategies.registry import register_strategy
 
@@ -64,7 +65,7 @@ class HyloStrategy(DDPStrategy):
         conv_rate: float | str = 0.05,
         fc_bits: int | str = 2,
         threshold_factor: float | str = 1.0,
-        min_compress_numel: int | str = 65536,
+        min_compress_numel: int | str = MIN_COMPRESS_NUMEL,
         warmup_steps: int | str = 0,
         exchange: str = "auto",
         cost_model: bool | str = True,

@@ -100,15 +100,15 @@ def test_allreduce_moves_at_the_configured_rate(bandwidth, iterations):
     # measurement here isolates (a run with M = 3.6 Gbit/s gave 82 Mbit/s at 100 Mbit/s, 84%).
     machine = min(map(_rate, _measure("10gbit", iterations)))
     floor = 1.0 / (1.0 / configured + 1.0 / machine)
+    # A virtual machine whose hypervisor takes CPU time away delays the shaper's timer and
+    # gloo alike (measured: 45% steal, 50 Mbit/s at 100 Mbit/s): the bound shrinks by the share
+    # of CPU time stolen during the test (/proc/stat), and is the same as above without steal.
     steal_end, total_end = _cpu_times()
     steal = (steal_end - steal_start) / max(1, total_end - total_start)
-    if steal > 0.05 and min(map(_rate, best)) < 0.80 * floor:
-        # A virtual machine whose hypervisor takes CPU time away (measured: 45% steal, 50 Mbit/s
-        # at 100 Mbit/s) delays the shaper's timer and gloo alike: no link rate is measurable.
-        pytest.skip(f"the hypervisor took {steal:.0%} of this machine's CPU time during the test")
+    floor *= 0.80 * (1.0 - steal)
     for row in best:
-        assert _rate(row) >= 0.80 * floor, (
+        assert _rate(row) >= floor, (
             f"{bandwidth}: measured {_rate(row) / 1e6:.1f} Mbit/s; this machine's allreduce "
-            f"alone moves {machine / 1e6:.0f} Mbit/s, so the link should give at least "
-            f"{0.80 * floor / 1e6:.0f}"
+            f"alone moves {machine / 1e6:.0f} Mbit/s and {steal:.0%} of its CPU time was "
+            f"stolen, so the link should give at least {floor / 1e6:.0f}"
         )
