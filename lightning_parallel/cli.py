@@ -37,7 +37,8 @@ def _expand_short_names(argv: list[str]) -> tuple[list[str], bool]:
     Returns the new argument list and whether both model and data are demo classes (then the
     model's input shape is linked to the data's).
     """
-    from lightning_parallel.demo import DATAMODULES, MODELS
+    from lightning_parallel.demo.data import DATAMODULES
+    from lightning_parallel.demo.models import MODELS
 
     tables: dict[str, dict[str, type]] = {"--model": MODELS, "--data": DATAMODULES}
     out: list[str] = []
@@ -53,8 +54,10 @@ def _expand_short_names(argv: list[str]) -> tuple[list[str], bool]:
             table = tables[flag]
             if value in table:
                 cls = table[value]
-                value = f"{cls.__module__.rsplit('.', 1)[0]}.{cls.__name__}"
-            elif not value.startswith("lightning_parallel.demo"):
+                value = f"{cls.__module__}.{cls.__name__}"
+            elif not value.startswith(
+                ("lightning_parallel.demo", "lightning_parallel.lightning.demo")
+            ):
                 if "." not in value and not value.endswith((".yaml", ".yml", "}")):
                     kind = "model" if flag == "--model" else "data"
                     raise SystemExit(
@@ -115,6 +118,34 @@ def _num_classes(data: Any) -> int:
     return int(data.num_classes)
 
 
+def _cli_namespace(argv: list[str]) -> Any:
+    """The Lightning to run the CLI under: that of a ``--model``/``--data`` class path given,
+    else the preferred installed one (``lightning.pytorch``, then ``pytorch_lightning``)."""
+    from lightning_parallel.compat.namespaces import active, of_class
+
+    for i, arg in enumerate(argv):
+        flag, _, value = arg.partition("=")
+        if flag in ("--model", "--data") and not value and i + 1 < len(argv):
+            value = argv[i + 1]
+        if (
+            flag not in ("--model", "--data")
+            or "." not in value
+            or value.endswith((".yaml", ".yml"))
+        ):
+            continue
+        module_name, _, class_name = value.rpartition(".")
+        if module_name.startswith("lightning_parallel."):
+            continue
+        try:
+            cls = getattr(importlib.import_module(module_name), class_name)
+        except (ImportError, AttributeError):
+            continue  # LightningCLI reports it
+        namespace = of_class(cls) if isinstance(cls, type) else None
+        if namespace is not None:
+            return namespace
+    return active()
+
+
 def _list_strategies() -> int:
     import lightning_parallel
 
@@ -147,7 +178,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(__version__)
         return 0
     if command in _LIGHTNING_SUBCOMMANDS:
-        return _run_lightning_cli([command, *rest])
+        from lightning_parallel.compat import layer
+
+        build = layer.import_layer(_cli_namespace(rest), "cli")
+        return int(build._run_lightning_cli([command, *rest]))
     if command == "strategies":
         return _list_strategies()
     if command in _TOOLS:

@@ -32,6 +32,8 @@ from torch.nn.parallel import DistributedDataParallel
 from lightning_parallel.averaging.policies import trainable_parameters
 from lightning_parallel.averaging.replicas import ReplicaAveraging
 from lightning_parallel.comm.ledger import process_ledger
+from lightning_parallel.compat import check
+from lightning_parallel.compat.private import state_key as compat_state_key
 from lightning_parallel.compression import CostModel, HyloHook, HyloPolicy
 from lightning_parallel.compression.delta import CompressedDeltaMean
 from lightning_parallel.compression.exchange import TWO_BIT_EXCHANGES
@@ -116,6 +118,7 @@ class HyloCompression(Callback):
         block_size: int | None = 512,
         policy: HyloPolicy | None = None,
     ) -> None:
+        check(self)  # this Lightning has every private name we use (compat.private)
         if exchange not in TWO_BIT_EXCHANGES:
             raise ValueError(f"exchange must be one of {TWO_BIT_EXCHANGES}, got {exchange!r}")
         if warmup_steps < 0:
@@ -155,7 +158,7 @@ class HyloCompression(Callback):
 
     @property
     def state_key(self) -> str:
-        return self._generate_state_key(codec=self.policy.codec_name)
+        return compat_state_key(self, codec=self.policy.codec_name)
 
     @property
     def hook_calls(self) -> int:

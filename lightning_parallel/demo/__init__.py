@@ -1,13 +1,17 @@
-"""Bundled models and data shared by the CLI, the examples, the benchmark and the tests."""
+"""Bundled models and data shared by the CLI, the examples, the benchmark and the tests.
+
+The classes are Lightning classes, so each exists once per Lightning namespace (see
+:mod:`lightning_parallel.compat`): the names here, and :func:`build_model` /
+:func:`build_datamodule`, give the build that matches the Lightning your code uses.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
-from pytorch_lightning import LightningDataModule
-
-from lightning_parallel.demo.data import DigitsDataModule, SyntheticImageDataModule
-from lightning_parallel.demo.models import MLP, ConvNet, DemoClassifier, VGGMini
+from lightning_parallel.compat import layer
+from lightning_parallel.compat.namespaces import Namespace, active, of_object
+from lightning_parallel.compat.public import public_class
 
 __all__ = [
     "DATAMODULES",
@@ -22,33 +26,53 @@ __all__ = [
     "build_model",
 ]
 
-MODELS: dict[str, type[DemoClassifier]] = {"vgg_mini": VGGMini, "convnet": ConvNet, "mlp": MLP}
-DATAMODULES: dict[str, type[LightningDataModule]] = {
-    "digits": DigitsDataModule,
-    "synthetic": SyntheticImageDataModule,
-}
+DemoClassifier = public_class(
+    "demo.models", "DemoClassifier", "Base of the demo models: cross-entropy classification."
+)
+VGGMini = public_class("demo.models", "VGGMini", "A small VGG-style convolutional network.")
+ConvNet = public_class("demo.models", "ConvNet", "A two-convolution network.")
+MLP = public_class("demo.models", "MLP", "A deep multilayer perceptron of equal blocks.")
+DigitsDataModule = public_class(
+    "demo.data", "DigitsDataModule", "Scikit-learn's handwritten digits (needs the demo extra)."
+)
+SyntheticImageDataModule = public_class(
+    "demo.data", "SyntheticImageDataModule", "Deterministic CIFAR-shaped images of any size."
+)
+
+MODELS: dict[str, Any] = {"vgg_mini": VGGMini, "convnet": ConvNet, "mlp": MLP}
+DATAMODULES: dict[str, Any] = {"digits": DigitsDataModule, "synthetic": SyntheticImageDataModule}
 
 
-def _lookup(kind: str, table: dict[str, Any], name: str) -> Any:
+def _lookup(kind: str, table: dict[str, Any], name: str) -> None:
     if name not in table:
         raise ValueError(f"unknown {kind} {name!r}; choose one of {sorted(table)}")
-    return table[name]
 
 
-def build_datamodule(name: str, **kwargs: Any) -> LightningDataModule:
-    """Build the bundled data module ``name`` (``"digits"`` or ``"synthetic"``)."""
-    return _lookup("data", DATAMODULES, name)(**kwargs)  # type: ignore[no-any-return]
+def build_datamodule(name: str, namespace: Namespace | None = None, **kwargs: Any) -> Any:
+    """Build the bundled data module ``name`` (``"digits"`` or ``"synthetic"``).
+
+    Args:
+        name: the data set's short name.
+        namespace: the Lightning to build it for (default: the one in use).
+        **kwargs: the data module's arguments.
+    """
+    _lookup("data", DATAMODULES, name)
+    module = layer.import_layer(namespace or active(), "demo.data")
+    return module.DATAMODULES[name](**kwargs)
 
 
 def build_model(
-    name: str, data: LightningDataModule | None = None, **kwargs: Any
-) -> DemoClassifier:
+    name: str, data: Any = None, namespace: Namespace | None = None, **kwargs: Any
+) -> Any:
     """Build the bundled model ``name`` (``"vgg_mini"``, ``"convnet"``, ``"mlp"``).
 
-    Given ``data``, the model's ``input_shape`` and ``num_classes`` are taken from it.
+    Given ``data``, the model's ``input_shape`` and ``num_classes`` are taken from it, and the
+    model is built for ``data``'s Lightning.
     """
-    model_cls = _lookup("model", MODELS, name)
+    _lookup("model", MODELS, name)
     if data is not None:
-        kwargs.setdefault("input_shape", tuple(data.input_shape))  # type: ignore[attr-defined]
-        kwargs.setdefault("num_classes", data.num_classes)  # type: ignore[attr-defined]
-    return model_cls(**kwargs)  # type: ignore[no-any-return]
+        kwargs.setdefault("input_shape", tuple(data.input_shape))
+        kwargs.setdefault("num_classes", data.num_classes)
+        namespace = namespace or of_object(data)
+    module = layer.import_layer(namespace or active(), "demo.models")
+    return module.MODELS[name](**kwargs)

@@ -95,7 +95,13 @@ class DigitsDataModule(_TensorDataModule):
         self.input_shape = (1, side, side)
 
     def _tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        from sklearn.datasets import load_digits
+        try:
+            from sklearn.datasets import load_digits
+        except ImportError as error:
+            raise ModuleNotFoundError(
+                "DigitsDataModule reads scikit-learn's digits data set: "
+                "pip install 'lightning-parallel[demo]'"
+            ) from error
 
         digits = load_digits()
         images = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
@@ -162,3 +168,9 @@ class SyntheticImageDataModule(_TensorDataModule):
         train_x, train_y = self._make(self.num_samples, generator, templates)
         val_x, val_y = self._make(max(self.num_samples // 5, self.batch_size), generator, templates)
         return train_x, train_y, val_x, val_y
+
+
+DATAMODULES: dict[str, type[LightningDataModule]] = {
+    "digits": DigitsDataModule,
+    "synthetic": SyntheticImageDataModule,
+}

@@ -277,3 +277,6 @@ class MLP(DemoClassifier):
                 nn.init.kaiming_normal_(module.weight, nonlinearity="relu")
                 nn.init.zeros_(module.bias)
         return layers
+
+
+MODELS: dict[str, type[DemoClassifier]] = {"vgg_mini": VGGMini, "convnet": ConvNet, "mlp": MLP}

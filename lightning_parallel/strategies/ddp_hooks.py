@@ -43,14 +43,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from pytorch_lightning.overrides.distributed import _register_ddp_comm_hook
 from pytorch_lightning.strategies import DDPStrategy
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_parallel.comm.ledger import process_ledger
-from lightning_parallel.strategies.registry import register_strategy
+from lightning_parallel.comm.modules import register_comm_hook
+from lightning_parallel.compat import check, register_strategy
 
 __all__ = ["HookedDDPStrategy", "PowerSGDDDPStrategy"]
 
@@ -90,23 +90,23 @@ class HookedDDPStrategy(DDPStrategy):
             )
         if ddp_comm_hook is not None and not callable(ddp_comm_hook):
             raise TypeError(f"ddp_comm_hook must be callable, got {type(ddp_comm_hook).__name__}")
-        super().__init__(
-            ddp_comm_hook=ddp_comm_hook,
-            ddp_comm_state=ddp_comm_state,
-            ddp_comm_wrapper=ddp_comm_wrapper,
-            **kwargs,
-        )
+        check(self)  # this Lightning has every private name we use (compat.private)
+        # kept here, not handed to DDPStrategy: Lightning would register them on CUDA itself
+        super().__init__(**kwargs)
+        self.comm_hook = ddp_comm_hook
+        self.comm_state = ddp_comm_state
+        self.comm_wrapper = ddp_comm_wrapper
         self.compression_ratio = compression_ratio
         self.hook_calls = 0
 
     def make_comm_state(self) -> object | None:
         """The state passed to the hook, built once the process group exists."""
-        return self._ddp_comm_state
+        return self.comm_state
 
     def make_comm_hook(self) -> CommHook:
         """The hook to register (subclasses may choose it from their options)."""
-        assert self._ddp_comm_hook is not None
-        return self._ddp_comm_hook  # type: ignore[no-any-return]
+        assert self.comm_hook is not None
+        return self.comm_hook
 
     def _counted(self, hook: CommHook) -> CommHook:
         # functools.wraps keeps the hook's name and signature: DDP checks both
@@ -120,11 +120,11 @@ class HookedDDPStrategy(DDPStrategy):
     @override
     def _register_ddp_hooks(self) -> None:
         assert isinstance(self.model, DistributedDataParallel)
-        _register_ddp_comm_hook(
-            model=self.model,
-            ddp_comm_state=self.make_comm_state(),
-            ddp_comm_hook=self._counted(self.make_comm_hook()),
-            ddp_comm_wrapper=self._ddp_comm_wrapper,
+        register_comm_hook(
+            self.model,
+            state=self.make_comm_state(),
+            hook=self._counted(self.make_comm_hook()),
+            wrapper=self.comm_wrapper,
         )
         if self.compression_ratio is not None:
             process_ledger().set_gauge("compression_ratio", self.compression_ratio)

@@ -44,20 +44,25 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 import torch.distributed as dist
-from lightning_fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning_fabric.utilities.distributed import _sync_ddp_if_available
-from lightning_fabric.utilities.optimizer import _optimizers_to_device
-from pytorch_lightning.overrides.distributed import _sync_module_states
 from pytorch_lightning.plugins.precision import MixedPrecision
 from pytorch_lightning.strategies import DDPStrategy
-from pytorch_lightning.strategies.launchers import (
-    _MultiProcessingLauncher,
-    _SubprocessScriptLauncher,
-)
 from pytorch_lightning.trainer.states import TrainerFn
 from torch import Tensor, nn
+from torch.distributed.constants import default_pg_timeout as DEFAULT_TIMEOUT
 
 from lightning_parallel.comm.ledger import process_ledger
+from lightning_parallel.comm.modules import (
+    broadcast_module_states,
+    optimizers_to_device,
+    reduce_tensor,
+)
+from lightning_parallel.compat import check, register_strategy
+from lightning_parallel.compat.private import (
+    check_start_method,
+    make_launcher,
+    set_launcher,
+    start_method,
+)
 from lightning_parallel.pipeline.batchnorm import convert_deferred_batch_norm, restore_batch_norm
 from lightning_parallel.pipeline.consolidate import (
     broadcast_optimizer_state,
@@ -107,11 +112,8 @@ from lightning_parallel.pipeline.weight_grad import (
     convert_deferred_weight_gradients,
     restore_linear,
 )
-from lightning_parallel.strategies.registry import register_strategy
 
 __all__: list[str] = []
-
-_START_METHODS = ("popen", "spawn", "fork", "forkserver")
 
 
 class _InputCaptured(Exception):
@@ -222,8 +224,9 @@ class GroPipeStrategy(DDPStrategy):
         checkpoint_io: Any = None,
         precision_plugin: Any = None,
         process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
+        timeout: timedelta | None = DEFAULT_TIMEOUT,
     ) -> None:
+        check(self)  # this Lightning has every private name we use (compat.private)
         if not isinstance(stages, int) or stages < 1:
             raise ValueError(f"stages must be a positive integer, got {stages!r}")
         if not isinstance(micro_batches, int) or micro_batches < 1:
@@ -242,8 +245,7 @@ class GroPipeStrategy(DDPStrategy):
                 f"{stages - 1} boundaries, got {list(partition)}"
             )
         check_recompute_mode(recompute)
-        if start_method not in _START_METHODS:
-            raise ValueError(f"start_method must be one of {_START_METHODS}, got {start_method!r}")
+        check_start_method(start_method)
         if profile_repeats < 1:
             raise ValueError(f"profile_repeats must be at least 1, got {profile_repeats}")
         if timeline_steps < 1:
@@ -315,12 +317,8 @@ class GroPipeStrategy(DDPStrategy):
 
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
-        if self._start_method == "popen" or self.cluster_environment.creates_processes_externally:
-            self._launcher = _SubprocessScriptLauncher(
-                self.cluster_environment, self.num_processes, self.num_nodes
-            )
-        else:
-            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+        external = self.cluster_environment.creates_processes_externally
+        set_launcher(self, make_launcher(self, start_method(self), external))
 
     def setup_environment(self) -> None:
         super().setup_environment()
@@ -355,7 +353,7 @@ class GroPipeStrategy(DDPStrategy):
             self.setup_environment()
         fitting = trainer.state.fn == TrainerFn.FITTING
         # processes started apart (popen, torchrun) initialize differently: start from rank 0's
-        _sync_module_states(self.model)
+        broadcast_module_states(self.model)
         if fitting and self.deferred_batch_norm:
             self._replaced_batch_norm = convert_deferred_batch_norm(pipeline_body(module))
         if fitting and self.defer_weight_gradients:
@@ -365,7 +363,7 @@ class GroPipeStrategy(DDPStrategy):
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if fitting:
-            _optimizers_to_device(self.optimizers, self.root_device)
+            optimizers_to_device(self.optimizers, self.root_device)
         self._pipeline = None
         setattr(self.precision_plugin, "clip_grad_by_norm", self._clip_grad_by_norm)  # noqa: B010
 
@@ -768,7 +766,7 @@ class GroPipeStrategy(DDPStrategy):
             return tensor
         if group is None and self._groups is not None:
             group = self._groups.data_parallel
-        return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return reduce_tensor(tensor, group, reduce_op=reduce_op)
 
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
         value = torch.tensor(int(decision), device=self.root_device)

@@ -21,9 +21,10 @@ from pytorch_lightning.strategies import DDPStrategy
 from typing_extensions import override
 
 from lightning_parallel.callbacks.hylo import HyloCompression
+from lightning_parallel.compat import register_strategy
+from lightning_parallel.compat.private import attached_trainer
 from lightning_parallel.compression.policy import MIN_COMPRESS_NUMEL
 from lightning_parallel.strategies.arguments import as_bool, optional_bool
-from lightning_parallel.strategies.registry import register_strategy
 
 __all__: list[str] = []
 
@@ -100,8 +101,8 @@ class HyloStrategy(DDPStrategy):
     @property
     def hook_calls(self) -> int:
         """Times DDP called the Hylo hook on this rank (tests and the benchmark read it)."""
-        module = self._lightning_module
-        trainer = getattr(module, "_trainer", None) if module is not None else None
+        module = self.lightning_module
+        trainer = attached_trainer(module) if module is not None else None
         callbacks = trainer.callbacks if trainer is not None else [self.hylo]
         return sum(c.hook_calls for c in callbacks if isinstance(c, HyloCompression))
 

@@ -54,14 +54,11 @@ import pytorch_lightning as pl
 import torch
 import torch.distributed as dist
 from lightning_fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning_fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning_fabric.utilities.optimizer import _optimizers_to_device
-from lightning_fabric.utilities.types import _PATH
-from pytorch_lightning.overrides.distributed import _sync_module_states
 from pytorch_lightning.plugins.precision import Precision
 from pytorch_lightning.strategies import DDPStrategy
 from pytorch_lightning.trainer.states import TrainerFn
 from pytorch_lightning.utilities.rank_zero import rank_zero_warn
+from torch.distributed.constants import default_pg_timeout as DEFAULT_TIMEOUT
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -84,9 +81,12 @@ from lightning_parallel.averaging.policies import (
     check_choice,
 )
 from lightning_parallel.averaging.reduction import REDUCE_KINDS
+from lightning_parallel.comm.modules import broadcast_module_states, optimizers_to_device
 from lightning_parallel.comm.tree import ranks_per_host_from_environment
+from lightning_parallel.compat import check, register_strategy
+from lightning_parallel.compat.private import layer_sync
+from lightning_parallel.compat.types import StrPath
 from lightning_parallel.strategies.arguments import optional_bool
-from lightning_parallel.strategies.registry import register_strategy
 
 __all__ = ["ModelAveragingStrategy"]
 
@@ -197,9 +197,10 @@ class ModelAveragingStrategy(DDPStrategy):
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
         process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
+        timeout: timedelta | None = DEFAULT_TIMEOUT,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
     ) -> None:
+        check(self)  # this Lightning has every private name we use (compat.private)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -258,7 +259,7 @@ class ModelAveragingStrategy(DDPStrategy):
         assert self.model is not None
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
-        if fitting and self._layer_sync is not None:
+        if fitting and layer_sync(self) is not None:
             raise ValueError(
                 "Trainer(sync_batchnorm=True) synchronizes BatchNorm on every step, which model "
                 "averaging exists to avoid; remove it (buffers='average' averages BatchNorm "
@@ -271,10 +272,10 @@ class ModelAveragingStrategy(DDPStrategy):
             # warm-up and never afterwards.
             self.setup_optimizers(trainer)
         else:
-            _sync_module_states(self.model)
+            broadcast_module_states(self.model)
         self.setup_precision_plugin()
         if fitting:
-            _optimizers_to_device(self.optimizers, self.root_device)
+            optimizers_to_device(self.optimizers, self.root_device)
             self.averaging = self._build_averaging()
             self.averaging.broadcast_replicas(src=0)
 
@@ -357,7 +358,7 @@ class ModelAveragingStrategy(DDPStrategy):
 
     @override
     def save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None
+        self, checkpoint: dict[str, Any], filepath: StrPath, storage_options: Any | None = None
     ) -> None:
         if self.averaging is not None and "optimizer_states" in checkpoint:
             checkpoint[CHECKPOINT_KEY] = self._averaging_checkpoint(self.averaging)

@@ -40,36 +40,41 @@ import pytorch_lightning as pl
 import torch
 from lightning_fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning_fabric.plugins.environments import LightningEnvironment
-from lightning_fabric.utilities.types import _PATH, ReduceOp
 from pytorch_lightning.callbacks import Callback, ModelCheckpoint, Timer
-from pytorch_lightning.overrides.distributed import _sync_module_states
 from pytorch_lightning.plugins.precision import Precision
 from pytorch_lightning.strategies import DDPStrategy
-from pytorch_lightning.strategies.launchers import (
-    _MultiProcessingLauncher,
-    _SubprocessScriptLauncher,
-)
 from pytorch_lightning.trainer.states import RunningStage, TrainerFn
 from pytorch_lightning.utilities.exceptions import SIGTERMException
 from pytorch_lightning.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
+from torch.distributed import ReduceOp
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_parallel.comm.ledger import process_ledger
+from lightning_parallel.comm.modules import broadcast_module_states
+from lightning_parallel.compat import check, register_strategy
+from lightning_parallel.compat.private import (
+    check_start_method,
+    fit_loop_data,
+    make_launcher,
+    replace_sigterm_broadcast,
+    saves_inside_epoch,
+    set_launcher,
+    start_method,
+    stops_on_step_timer,
+)
+from lightning_parallel.compat.types import StrPath
 from lightning_parallel.parameter_server.data import BudgetedLoader
 from lightning_parallel.parameter_server.faults import WorkerFailure
 from lightning_parallel.parameter_server.policies import UpdatePolicy
 from lightning_parallel.parameter_server.protocol import parse_wire_dtype
 from lightning_parallel.parameter_server.runtime import ParameterServerRuntime, check_overlap
 from lightning_parallel.strategies.arguments import as_bool
-from lightning_parallel.strategies.registry import register_strategy
 
 __all__: list[str] = []
 
 log = logging.getLogger(__name__)
-
-_START_METHODS = ("popen", "spawn", "fork", "forkserver")
 
 
 class ParameterServerStrategy(DDPStrategy):
@@ -136,6 +141,7 @@ class ParameterServerStrategy(DDPStrategy):
         precision_plugin: Precision | None = None,
         process_group_backend: str | None = None,
     ) -> None:
+        check(self)  # this Lightning has every private name we use (compat.private)
         self.policy = UpdatePolicy(
             staleness=str(staleness),
             staleness_decay=float(staleness_decay),
@@ -156,8 +162,7 @@ class ParameterServerStrategy(DDPStrategy):
             raise ValueError(f"shards must be an integer >= 1, got {shards!r}")
         if not float(timeout) > 0:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
-        if start_method not in _START_METHODS:
-            raise ValueError(f"start_method must be one of {_START_METHODS}, got {start_method!r}")
+        check_start_method(start_method)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -188,14 +193,9 @@ class ParameterServerStrategy(DDPStrategy):
     @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
-        if self._launched_externally() or self._start_method == "popen":
-            # an outside launcher started every process: Lightning's subprocess launcher then
-            # only runs the function, as it does for `ddp`
-            self._launcher = _SubprocessScriptLauncher(
-                self.cluster_environment, self.num_processes, self.num_nodes
-            )
-        else:
-            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+        # an outside launcher started every process: Lightning's subprocess launcher then only
+        # runs the function, as it does for `ddp`
+        set_launcher(self, make_launcher(self, start_method(self), self._launched_externally()))
 
     def _launched_externally(self) -> bool:
         environment = self.cluster_environment
@@ -218,7 +218,7 @@ class ParameterServerStrategy(DDPStrategy):
             self._check_configuration(trainer)
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
-        _sync_module_states(self.model)  # every worker starts from rank 0's weights, like DDP
+        broadcast_module_states(self.model)  # every worker starts from rank 0's weights, like DDP
         if fitting:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
@@ -255,14 +255,12 @@ class ParameterServerStrategy(DDPStrategy):
                 "check_val_every_n_epoch"
             )
         for callback in trainer.callbacks:  # type: ignore[attr-defined]
-            if isinstance(callback, ModelCheckpoint) and (
-                callback._every_n_train_steps > 0 or callback._train_time_interval is not None
-            ):
+            if isinstance(callback, ModelCheckpoint) and saves_inside_epoch(callback):
                 raise ValueError(
                     "ModelCheckpoint(every_n_train_steps / train_time_interval) saves inside an "
                     "epoch, where parameter-server workers are not in step; use every_n_epochs"
                 )
-            if isinstance(callback, Timer) and callback._interval == "step" and callback._duration:
+            if isinstance(callback, Timer) and stops_on_step_timer(callback):
                 raise ValueError(
                     "Timer(interval='step') broadcasts a decision every step, where "
                     "parameter-server workers are not in step; use Timer(interval='epoch')"
@@ -291,8 +289,7 @@ class ParameterServerStrategy(DDPStrategy):
             self._restore.append(lambda: setattr(trainer, "limit_train_batches", limit))
         # Lightning broadcasts a SIGTERM flag from rank 0 before every training batch, which
         # would put the workers back in lockstep; each rank checks its own signal instead.
-        epoch_loop._broadcast_sigterm_tensor = lambda: _local_sigterm(trainer)  # type: ignore[method-assign]
-        self._restore.append(lambda: epoch_loop.__dict__.pop("_broadcast_sigterm_tensor", None))
+        self._restore.append(replace_sigterm_broadcast(trainer, lambda: _local_sigterm(trainer)))
         self.runtime = ParameterServerRuntime(
             self.optimizers[0],
             self.policy,
@@ -474,7 +471,7 @@ class ParameterServerStrategy(DDPStrategy):
 
     @override
     def save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None
+        self, checkpoint: dict[str, Any], filepath: StrPath, storage_options: Any | None = None
     ) -> None:
         if self._server_state is not None and "optimizer_states" in checkpoint:
             checkpoint["parameter_server"] = self._server_state
@@ -483,7 +480,7 @@ class ParameterServerStrategy(DDPStrategy):
 
     @override
     def load_checkpoint(
-        self, checkpoint_path: _PATH, weights_only: bool | None = None
+        self, checkpoint_path: StrPath, weights_only: bool | None = None
     ) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         self._resume_server_state = checkpoint.get("parameter_server")
@@ -538,10 +535,10 @@ class _ParameterServerHooks(Callback):
         self.strategy = strategy
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        loop = trainer.fit_loop
-        loader = loop._combined_loader.flattened[0] if loop._combined_loader is not None else None
-        if isinstance(loader, BudgetedLoader) and loader.stale() and loop._data_fetcher is not None:
-            iter(loop._data_fetcher)  # what the fit loop does at every other epoch start
+        combined, fetcher = fit_loop_data(trainer)
+        loader = combined.flattened[0] if combined is not None else None
+        if isinstance(loader, BudgetedLoader) and loader.stale() and fetcher is not None:
+            iter(fetcher)  # what the fit loop does at every other epoch start
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking:

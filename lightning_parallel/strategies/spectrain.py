@@ -53,12 +53,13 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 import torch.distributed as dist
-from lightning_fabric.plugins.collectives.torch_collective import default_pg_timeout
 from pytorch_lightning.callbacks import Callback
 from pytorch_lightning.trainer.states import TrainerFn
 from torch import Tensor, nn
+from torch.distributed.constants import default_pg_timeout as DEFAULT_TIMEOUT
 
 from lightning_parallel.comm.ledger import process_ledger
+from lightning_parallel.compat import register_strategy
 from lightning_parallel.pipeline.microbatch import batch_size, split_microbatches
 from lightning_parallel.pipeline.noflush import NoFlushPipeline
 from lightning_parallel.pipeline.summary import LoggedValue, LogRecorder
@@ -70,7 +71,6 @@ from lightning_parallel.pipeline.weight_prediction import (
     make_weight_predictor,
 )
 from lightning_parallel.strategies.gropipe import GroPipeStrategy, _patched
-from lightning_parallel.strategies.registry import register_strategy
 
 __all__: list[str] = []
 
@@ -232,7 +232,7 @@ class SpecTrainStrategy(GroPipeStrategy):
         checkpoint_io: Any = None,
         precision_plugin: Any = None,
         process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
+        timeout: timedelta | None = DEFAULT_TIMEOUT,
     ) -> None:
         if prediction is None:  # "none" parsed as None by config parsers (the benchmark's)
             prediction = "none"
