@@ -87,7 +87,7 @@ def _run_lightning_cli(argv: list[str]) -> int:
         subclass_mode_model=True,
         subclass_mode_data=True,
         args=argv,
-        trainer_defaults={"callbacks": [CommStats()]},
+        trainer_defaults={"callbacks": [CommStats(summary=True)]},
         save_config_kwargs={"overwrite": True},
     )
     return 0

@@ -48,8 +48,8 @@ def test_short_names_expand_to_class_paths():
     argv, linked = _expand_short_names(["fit", "--model", "vgg_mini", "--data=digits"])
     assert argv == [
         "fit",
-        "--model=lightning_parallel.demo.VGGMini",
-        "--data=lightning_parallel.demo.DigitsDataModule",
+        "--model=lightning_parallel.demo.models.VGGMini",
+        "--data=lightning_parallel.demo.data.DigitsDataModule",
     ]
     assert linked
     argv, linked = _expand_short_names(["fit", "--model", "my_pkg.Model", "--data", "digits"])

@@ -10,6 +10,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 import warnings
 from pathlib import Path
@@ -60,7 +61,10 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     """Parse ``argv`` (after ``bench``), run, report; 0 when every run succeeded, else 1."""
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
+        parser.error("--plot draws with matplotlib: pip install 'lightning-parallel[bench]'")
     from rich.console import Console
 
     from lightning_parallel.bench.report import plot, print_table, write_json

@@ -107,10 +107,15 @@ def write_json(result: dict[str, Any], path: Path) -> None:
 
 def plot(result: dict[str, Any], path: Path) -> None:
     """Save the three-panel PNG: accuracy vs wall time, bytes per step, samples/s."""
-    import matplotlib
+    try:
+        import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as error:
+        raise ModuleNotFoundError(
+            "bench --plot draws with matplotlib: pip install 'lightning-parallel[bench]'"
+        ) from error
 
     runs = [run for run in result["runs"] if run["ok"]]
     config = result["config"]

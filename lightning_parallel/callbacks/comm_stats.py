@@ -14,7 +14,11 @@
    writes (``log_every_n_steps``): a gauge is a current value, so the loggers see the same
    figures, and a step does not pay ``LightningModule.log`` for dozens of gauges it would
    discard (Hylo's per-layer gauges, the parameter server's histogram);
-4. it keeps per-process totals in :attr:`totals` and a per-step :attr:`history`.
+4. it keeps per-process totals in :attr:`totals` and a per-step :attr:`history`;
+5. with ``summary=True``, rank 0 prints a short summary when the fit ends: bytes per step
+   against what ``ddp`` would send for this model (``2·(W−1)/W`` times the gradient bytes),
+   the share of step time spent communicating, the technique's headline gauges (staleness,
+   pipeline bubble, compression ratio, ...) and where the logs and checkpoints were written.
 
 Example::
 
@@ -35,6 +39,7 @@ from pytorch_lightning.strategies import DDPStrategy
 
 from lightning_parallel.comm.accounting import ring_allreduce_bytes, track_collectives
 from lightning_parallel.comm.ledger import CommLedger, process_ledger
+from lightning_parallel.compat.private import should_update_logs
 
 __all__: list[str] = []
 
@@ -66,6 +71,7 @@ class CommStats(Callback):
         ledger: the ledger to read (default: this process's ledger).
         gauges_every_n_steps: log the gauges every n optimizer steps instead (``None``: on the
             steps the trainer writes, every ``log_every_n_steps``).
+        summary: print the end-of-fit summary on rank 0 (also kept in :attr:`summary_text`).
     """
 
     def __init__(
@@ -74,6 +80,7 @@ class CommStats(Callback):
         prog_bar: bool = False,
         ledger: CommLedger | None = None,
         gauges_every_n_steps: int | None = None,
+        summary: bool = False,
     ) -> None:
         if gauges_every_n_steps is not None and gauges_every_n_steps < 1:
             raise ValueError(
@@ -84,6 +91,9 @@ class CommStats(Callback):
         self.log_metrics = log
         self.prog_bar = prog_bar
         self.gauges_every_n_steps = gauges_every_n_steps
+        self.summary = summary
+        self.summary_text = ""
+        self._ddp_bytes = 0.0
         self.ledger = ledger if ledger is not None else process_ledger()
         self.totals = CommTotals()
         self.history: list[dict[str, float]] = []
@@ -108,9 +118,8 @@ class CommStats(Callback):
             strategy, "reports_communication", False
         )
         world = trainer.world_size
-        self._analytic_bytes = (
-            ring_allreduce_bytes(_gradient_bytes(pl_module), world) if plain_ddp else 0.0
-        )
+        self._ddp_bytes = ring_allreduce_bytes(_gradient_bytes(pl_module), world)
+        self._analytic_bytes = self._ddp_bytes if plain_ddp else 0.0
         self.ledger.drain()  # set-up traffic (initial broadcast) is not a training step's
         self._last_step = trainer.global_step
 
@@ -120,6 +129,12 @@ class CommStats(Callback):
         records = self.ledger.drain()
         self.totals.bytes_sent += sum(r.bytes_sent for r in records.values())
         self.totals.comm_seconds += sum(r.seconds for r in records.values())
+        if self.summary:
+            self.summary_text = fit_summary(
+                trainer, self.totals, self._ddp_bytes, self.ledger.gauges
+            )
+            if trainer.global_rank == 0:
+                print(self.summary_text, flush=True)
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
@@ -171,8 +186,60 @@ class CommStats(Callback):
     def _gauges_due(self, trainer: pl.Trainer) -> bool:
         if self.gauges_every_n_steps is not None:
             return trainer.global_step % self.gauges_every_n_steps == 0
-        # Lightning's own test, evaluated where it evaluates it (after on_train_batch_end);
-        # every step if a later Lightning no longer has it
-        connector = getattr(trainer, "_logger_connector", None)
-        due = getattr(connector, "should_update_logs", True)
-        return bool(due) or bool(getattr(trainer, "fast_dev_run", False))
+        # Lightning's own test, evaluated where it evaluates it (after on_train_batch_end)
+        return should_update_logs(trainer) or bool(getattr(trainer, "fast_dev_run", False))
+
+
+# the gauges a summary shows first, when the strategy reports them
+_HEADLINE_GAUGES = (
+    "compression_ratio",
+    "staleness_mean",
+    "staleness_max",
+    "ps_dropped",
+    "bubble_fraction",
+    "allreduce_hidden_fraction",
+    "rounds",
+    "divergence",
+)
+
+
+def fit_summary(
+    trainer: pl.Trainer, totals: CommTotals, ddp_bytes: float, gauges: dict[str, float]
+) -> str:
+    """A few lines a person can read at the end of a fit (see :class:`CommStats`)."""
+    strategy = type(trainer.strategy).__name__
+    lines = [f"lightning_parallel: {strategy} on {trainer.world_size} processes, rank 0's figures"]
+    per_step = totals.bytes_per_step
+    if ddp_bytes > 0:
+        lines.append(
+            f"  sent per step   {_megabytes(per_step)} ({per_step / ddp_bytes:.2f}x the "
+            f"{_megabytes(ddp_bytes)} that ddp sends for this model)"
+        )
+    else:
+        lines.append(f"  sent per step   {_megabytes(per_step)}")
+    step_time = sum(totals.step_seconds)
+    if totals.steps and step_time > 0:
+        lines.append(
+            f"  communicating   {1000 * totals.comm_seconds / totals.steps:.1f} ms per step, "
+            f"{totals.comm_seconds / step_time:.0%} of step time (blocking time on this rank)"
+        )
+    shown = [name for name in _HEADLINE_GAUGES if name in gauges]
+    if shown:
+        lines.append("  gauges          " + ", ".join(f"{n} {gauges[n]:.3g}" for n in shown))
+    places = []
+    if trainer.loggers:
+        places.append(f"logs in {trainer.log_dir}")
+    checkpoint = getattr(trainer, "checkpoint_callback", None)
+    if checkpoint is not None and getattr(checkpoint, "dirpath", None):
+        places.append(f"checkpoints in {checkpoint.dirpath}")
+    timeline = getattr(trainer.strategy, "timeline_path", None)
+    if timeline:
+        places.append(f"pipeline timeline in {timeline}")
+    if places:
+        lines.append("  written         " + "; ".join(places))
+    lines.append("  per-step figures are logged as comm/bytes, comm/seconds and comm/<gauge>")
+    return "\n".join(lines)
+
+
+def _megabytes(value: float) -> str:
+    return f"{value / 1e6:.3f} MB"

@@ -45,6 +45,8 @@ class PrivateUse:
         kind: ``"attribute"`` (on the class or module), or ``"set in __init__"`` (an
             instance attribute, looked up in the source of ``owner.__init__``).
         why: what would break without it.
+        required: ``False`` for a name that older releases lack and that is only worked around
+            where it exists.
     """
 
     module: str
@@ -52,6 +54,7 @@ class PrivateUse:
     name: str
     kind: str
     why: str
+    required: bool = True
 
 
 PRIVATE_USES: tuple[PrivateUse, ...] = (
@@ -131,7 +134,9 @@ PRIVATE_USES: tuple[PrivateUse, ...] = (
         "_TrainingEpochLoop",
         "_broadcast_sigterm_tensor",
         "attribute",
-        "a per-batch broadcast from rank 0 that would put asynchronous workers in lockstep",
+        "a per-batch broadcast from rank 0 that would put asynchronous workers in lockstep "
+        "(2.4 has none: each rank checks its own signal there, which is what replaces it)",
+        required=False,
     ),
     PrivateUse(
         "callbacks",
@@ -200,6 +205,8 @@ def problems(namespace: Namespace) -> tuple[str, ...]:
     """Every private use missing from ``namespace``, each with why it is needed."""
     found = []
     for use in PRIVATE_USES:
+        if not use.required:
+            continue
         reason = _missing(namespace, use)
         if reason is not None:
             found.append(f"{reason} (needed for: {use.why})")
@@ -287,6 +294,11 @@ def state_key(callback: Any, **options: Any) -> str:
 # --------------------------------------------------------------------------- loop internals
 
 
+def should_update_logs(trainer: Any) -> bool:
+    """Whether the trainer writes this step's metrics (``log_every_n_steps``)."""
+    return bool(trainer._logger_connector.should_update_logs)
+
+
 def fit_loop_data(trainer: Any) -> tuple[Any, Any]:
     """The fit loop's ``(combined loader, data fetcher)``; either may be ``None``."""
     loop = trainer.fit_loop
@@ -300,6 +312,8 @@ def replace_sigterm_broadcast(trainer: Any, check: Callable[[], None]) -> Callab
         A function that restores Lightning's broadcast.
     """
     epoch_loop = trainer.fit_loop.epoch_loop
+    if not hasattr(epoch_loop, "_broadcast_sigterm_tensor"):
+        return lambda: None  # an older Lightning: each rank already checks its own signal
     epoch_loop._broadcast_sigterm_tensor = check
     return lambda: epoch_loop.__dict__.pop("_broadcast_sigterm_tensor", None)
 

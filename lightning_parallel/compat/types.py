@@ -1,10 +1,11 @@
-"""Type aliases the Lightning layer shares (Lightning's own are private)."""
+"""Type aliases the Lightning layer shares (Lightning's own live in private modules)."""
 
 from __future__ import annotations
 
-import os
+from pathlib import Path
 from typing import Union
 
 __all__: list[str] = []
 
-StrPath = Union[str, "os.PathLike[str]"]
+# a checkpoint path, as Lightning's strategies accept it
+StrPath = Union[str, Path]

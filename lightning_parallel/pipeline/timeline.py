@@ -69,7 +69,10 @@ def plot_timeline(
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as error:  # pragma: no cover - matplotlib is a dev/bench dependency
-        raise ImportError("plot_timeline needs matplotlib: pip install matplotlib") from error
+        raise ModuleNotFoundError(
+            "the pipeline timeline is drawn with matplotlib: "
+            "pip install 'lightning-parallel[bench]'"
+        ) from error
     if not events:
         raise ValueError("no timeline events to plot; run at least one pipelined step")
     origin = min(event.start for event in events)

@@ -1,0 +1,239 @@
+"""Both Lightning namespaces: the two builds of the layer, registration, public names, private API.
+
+The tests marked ``compat`` fit one strategy of each family under every installed Lightning;
+CI runs them on the newest ``lightning`` and on the oldest supported ``pytorch-lightning``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+import lightning_parallel
+from lightning_parallel.compat import (
+    LIGHTNING,
+    PYTORCH_LIGHTNING,
+    SUPPORTED,
+    LightningCompatError,
+    installed,
+    layer,
+    private,
+    registration,
+)
+from lightning_parallel.compat.namespaces import of_class
+
+INSTALLED = installed()
+IDS = [namespace.key for namespace in INSTALLED]
+PACKAGE = Path(lightning_parallel.__file__).parent
+
+
+def _layer_files() -> list[Path]:
+    files = []
+    for relative in layer.LAYER_MODULES:
+        base = PACKAGE.joinpath(*relative.split("."))
+        files += sorted(base.rglob("*.py")) if base.is_dir() else [base.with_suffix(".py")]
+    return files
+
+
+@pytest.mark.parametrize("path", _layer_files(), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_the_lightning_build_maps_every_lightning_import_and_keeps_the_lines(path: Path) -> None:
+    source = path.read_text()
+    mapped = layer.rewrite(source)
+    assert "pytorch_lightning" not in mapped and "lightning_fabric" not in mapped
+    assert mapped.count("\n") == source.count("\n")  # tracebacks point at the real lines
+    for relative in layer.LAYER_MODULES:
+        assert f"lightning_parallel.{relative}." not in mapped.replace(
+            f"lightning_parallel.lightning.{relative}.", ""
+        )
+
+
+def test_only_the_layer_and_compat_import_lightning() -> None:
+    layer_files = set(_layer_files())
+    allowed = layer_files | set((PACKAGE / "compat").rglob("*.py"))
+    allowed |= set((PACKAGE / "bench").rglob("*.py"))  # the benchmark runs under pytorch_lightning
+    offenders = [
+        str(path.relative_to(PACKAGE))
+        for path in PACKAGE.rglob("*.py")
+        if path not in allowed
+        and any(
+            line.lstrip().startswith(("import ", "from "))
+            and ("pytorch_lightning" in line or "lightning_fabric" in line or "lightning." in line)
+            and "lightning_parallel" not in line
+            for line in path.read_text().splitlines()
+        )
+    ]
+    assert offenders == []
+
+
+def test_private_lightning_names_appear_only_in_compat() -> None:
+    # the modules that hold Lightning objects; `self._x` there is the module's own attribute
+    files = _layer_files() + sorted((PACKAGE / "bench").rglob("*.py"))
+    offenders = []
+    for use in private.PRIVATE_USES:
+        if use.name in ("_configure_launcher", "_register_ddp_hooks"):
+            continue  # overriding these hooks is how a strategy uses them
+        pattern = re.compile(rf"(?<!self)\.{use.name}\b|\b{use.name}\(")
+        offenders += [
+            f"{path.name}: {use.name}" for path in files if pattern.search(path.read_text())
+        ]
+    assert offenders == []
+
+
+@pytest.mark.parametrize("namespace", INSTALLED, ids=IDS)
+def test_every_private_use_exists_in_the_installed_lightning(namespace) -> None:
+    assert private.problems(namespace) == ()
+
+
+def test_a_missing_private_name_fails_at_construction_naming_it_and_the_range(monkeypatch) -> None:
+    gone = replace(private.PRIVATE_USES[0], name="_a_name_lightning_removed")
+    monkeypatch.setattr(private, "PRIVATE_USES", (*private.PRIVATE_USES, gone))
+    private.problems.cache_clear()
+    try:
+        with pytest.raises(LightningCompatError) as raised:
+            lightning_parallel.GroPipeStrategy.build(PYTORCH_LIGHTNING)(stages=2)
+    finally:
+        private.problems.cache_clear()
+    assert "_a_name_lightning_removed" in str(raised.value)
+    assert SUPPORTED in str(raised.value)
+
+
+@pytest.mark.parametrize("namespace", INSTALLED, ids=IDS)
+def test_every_name_resolves_to_that_namespaces_build(namespace) -> None:
+    registration.load(namespace)
+    pl = namespace.module()
+    for name in lightning_parallel.registered_names():
+        trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=name, logger=False)
+        assert of_class(type(trainer.strategy)) is namespace, name
+        assert isinstance(trainer.strategy, pl.strategies.Strategy)
+
+
+@pytest.mark.parametrize("namespace", INSTALLED, ids=IDS)
+def test_public_names_accept_either_build_and_subclass_the_build_in_use(namespace) -> None:
+    built = lightning_parallel.ModelAveragingStrategy.build(namespace)
+    strategy = built(period=4)
+    assert isinstance(strategy, lightning_parallel.ModelAveragingStrategy)
+    assert issubclass(built, lightning_parallel.ModelAveragingStrategy)
+    assert not isinstance(object(), lightning_parallel.ModelAveragingStrategy)
+    assert "period" in str(lightning_parallel.ModelAveragingStrategy.__signature__)
+
+
+_SCRIPT = """
+import sys
+{imports}
+import lightning_parallel as lp
+strategy = lp.GroPipeStrategy(stages=2)
+callback = lp.CommStats()
+
+class Mine(lp.ModelAveragingStrategy):
+    pass
+
+mine = Mine(period=3)
+trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, callbacks=[callback],
+                     logger=False)
+by_name = pl.Trainer(accelerator="cpu", devices=2, strategy="diloco", logger=False)
+pl.Trainer(accelerator="cpu", devices=2, strategy=mine, logger=False)
+print(type(strategy).__module__, type(by_name.strategy).__module__, type(mine).__mro__[1].__module__)
+print(sorted(m for m in ("lightning.pytorch", "pytorch_lightning") if m in sys.modules))
+"""
+
+
+@pytest.mark.parametrize(
+    ("imports", "expected"),
+    [
+        # lightning_parallel imported first, as isort orders `import pytorch_lightning` after it
+        ("import lightning_parallel\nimport pytorch_lightning as pl", PYTORCH_LIGHTNING),
+        ("import lightning.pytorch as pl", LIGHTNING),
+    ],
+    ids=["pytorch_lightning", "lightning"],
+)
+def test_a_script_gets_the_build_of_the_lightning_it_imports(imports, expected) -> None:
+    if expected not in INSTALLED:
+        pytest.skip(f"{expected.distribution} is not installed")
+    script = _SCRIPT.format(imports=imports)
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    modules, imported = done.stdout.strip().splitlines()[-2:]
+    prefix = expected.layer + ".strategies."
+    assert all(module.startswith(prefix) for module in modules.split()), modules
+    assert imported == str([expected.pytorch])  # nothing imported the other Lightning
+
+
+# --------------------------------------------------------------------------- fits per family
+
+FAMILIES = {
+    "hylo": ("HyloStrategy", {}),
+    "model_averaging": ("ModelAveragingStrategy", {"period": 2}),
+    "parameter_server": ("ParameterServerStrategy", {}),
+    "gropipe": ("GroPipeStrategy", {"stages": 2, "micro_batches": 2}),
+    "spectrain": ("SpecTrainStrategy", {"stages": 2}),
+}
+
+
+def _fit(namespace, family: str, start_method: str = "fork") -> dict[str, float]:
+    from lightning_parallel.demo import build_datamodule, build_model
+
+    pl = namespace.module()
+    pl.seed_everything(0, verbose=False)
+    data = build_datamodule(
+        "synthetic", namespace=namespace, batch_size=16, num_samples=256, image_size=8
+    )
+    model = build_model("mlp", data, depth=2, width=32)
+    class_name, options = FAMILIES[family]
+    cls = getattr(lightning_parallel, class_name).build(namespace)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=cls(start_method=start_method, **options),
+        max_epochs=1,
+        limit_train_batches=4,
+        limit_val_batches=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(model, datamodule=data)
+    # fork and spawn return rank 0's metrics to this process (not its step counter)
+    assert trainer.state.finished
+    return {key: float(value) for key, value in trainer.callback_metrics.items()}
+
+
+@pytest.mark.compat
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("namespace", INSTALLED, ids=IDS)
+def test_one_fit_per_family_under_each_lightning(namespace, family) -> None:
+    torch.set_num_threads(1)
+    metrics = _fit(namespace, family)
+    assert 0.0 <= metrics["val_acc"] <= 1.0
+    assert torch.isfinite(torch.tensor(metrics["val_loss"]))
+
+
+@pytest.mark.compat
+@pytest.mark.slow
+def test_spawned_ranks_unpickle_the_lightning_build() -> None:
+    namespace = INSTALLED[0]
+    metrics = _fit(namespace, "model_averaging", start_method="spawn")
+    assert "val_acc" in metrics
+
+
+def test_the_lightning_build_is_not_read_from_the_real_modules_bytecode() -> None:
+    # the real module's .pyc holds the unmapped code; the mapped loader must never read it
+    if LIGHTNING not in INSTALLED:
+        pytest.skip("lightning is not installed")
+    module = importlib.import_module("lightning_parallel.lightning.strategies.hylo")
+    assert "lightning.pytorch" in module.DDPStrategy.__module__
