@@ -98,3 +98,26 @@ def test_unknown_command_and_help(capsys):
     assert "unknown command" in capsys.readouterr().err
     assert main(["--help"]) == 0
     assert main(["strategies"]) == 0
+
+
+@pytest.mark.parametrize("command", ["bench", "cluster"])
+def test_every_tool_has_help_that_exits_0(command, capsys):
+    with pytest.raises(SystemExit) as raised:
+        main([command, "--help"]) if command == "bench" else sys.exit(main([command, "--help"]))
+    assert raised.value.code == 0
+    assert "usage" in capsys.readouterr().out
+
+
+def test_fresh_install_needs_neither_scikit_learn_nor_matplotlib_for_the_library():
+    # importing the package and both builds' strategies adds none of the optional dependencies
+    # (Lightning itself may import matplotlib when it is installed: counted before ours)
+    code = (
+        "import sys, pytorch_lightning;"
+        "before = set(sys.modules);"
+        "import lightning_parallel, lightning_parallel.strategies, lightning_parallel.callbacks;"
+        "new = set(sys.modules) - before;"
+        "bad = [m for m in ('sklearn', 'matplotlib', 'deepspeed', 'torchgpipe') if m in new];"
+        "assert not bad, bad"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -19,7 +19,7 @@ def test_there_are_runnable_pages():
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
 def test_page_code_runs(page, tmp_path):
     script = "\n\n".join(BLOCK.findall(page.read_text()))
-    path = tmp_path / f"{page.stem}.py"
+    path = tmp_path / f"docs_page_{page.stem}.py"  # not lightning.py: it would shadow the package
     path.write_text(script)
     result = subprocess.run(
         [sys.executable, str(path)],

@@ -63,6 +63,9 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str]) -> int:
     """Parse ``argv`` (the arguments after ``cluster``), run, return the exit code."""
     parser = _parser()
+    if "--" not in argv and any(arg in ("-h", "--help") for arg in argv):
+        parser.print_help()
+        return 0
     if "--" not in argv:
         parser.print_usage(sys.stderr)
         print("error: give the command to run after `--`", file=sys.stderr)

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Union
 
 __all__: list[str] = []
 
 # a checkpoint path, as Lightning's strategies accept it
-StrPath = Union[str, Path]
+StrPath = str | Path
