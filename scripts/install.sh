@@ -11,12 +11,6 @@ PYTHON=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 . .venv/bin/activate
 python -m pip install --quiet --upgrade pip
-if ! python -c "import torch" 2>/dev/null; then
-  if [ -n "${TORCH_INDEX_URL:-}" ]; then
-    python -m pip install --quiet "torch==2.13.0" --index-url "$TORCH_INDEX_URL"
-  else
-    python -m pip install --quiet "torch==2.13.0"
-  fi
-fi
+. scripts/install_torch.sh
 python -m pip install --quiet -e ".[dev]"
 python -c "import lightning_parallel, torch; print('lightning_parallel', lightning_parallel.__version__, 'torch', torch.__version__)"

@@ -11,13 +11,7 @@ PYTHON=${PYTHON:-python3}
 [ -x .venv-oldest/bin/python ] || "$PYTHON" -m venv .venv-oldest
 . .venv-oldest/bin/activate
 python -m pip install --quiet --upgrade pip
-if ! python -c "import torch" 2>/dev/null; then
-  if [ -n "${TORCH_INDEX_URL:-}" ]; then
-    python -m pip install --quiet "torch==2.13.0" --index-url "$TORCH_INDEX_URL"
-  else
-    python -m pip install --quiet "torch==2.13.0"
-  fi
-fi
+. scripts/install_torch.sh
 python -m pip install --quiet -e . "pytorch-lightning==$OLDEST" "pytest>=8" "pytest-timeout>=2.2"
 python -c "import pytorch_lightning as pl; assert pl.__version__ == '$OLDEST', pl.__version__; print('pytorch-lightning', pl.__version__)"
 python -m pytest tests/test_compat.py

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_parallel.comm.groups import new_group
 from lightning_parallel.comm.tree import TreeAllReduce
 
 __all__: list[str] = []
@@ -59,7 +60,7 @@ class FlatAllReduce:
                 "torch.distributed.init_process_group first"
             )
         self._world_size = dist.get_world_size()
-        self.group = dist.new_group(ranks=list(range(self._world_size)))
+        self.group = new_group(list(range(self._world_size)))
 
     @property
     def world_size(self) -> int:

@@ -20,6 +20,7 @@ import inspect
 import pkgutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 from pytorch_lightning.strategies import Strategy, StrategyRegistry
@@ -86,6 +87,9 @@ def parse_spec(text: str) -> Spec:
         if key in options:
             raise ValueError(f"option {key!r} is given twice in spec {text!r}")
         options[key] = parse_value(value)
+        if key == "timeout" and isinstance(options[key], (int, float)):
+            # the strategies take a timedelta, as Lightning's do: converted here, at the edge
+            options[key] = timedelta(seconds=float(options[key]))
     return Spec(text.strip(), name, options)
 
 
@@ -168,6 +172,10 @@ def _accepted_options(constructor: Callable[..., Any]) -> set[str] | None:
     from pytorch_lightning.strategies import DDPStrategy
     from torch.nn.parallel import DistributedDataParallel
 
+    from lightning_parallel.strategies.base import ParallelStrategyBase
+
+    if isinstance(constructor, type) and issubclass(constructor, ParallelStrategyBase):
+        return constructor.accepted_keywords()
     callables: list[Callable[..., Any]] = [constructor]
     if isinstance(constructor, type) and issubclass(constructor, DDPStrategy):
         callables = [

@@ -145,6 +145,11 @@ class HyloCompression(Callback):
         self.warmup_steps = warmup_steps
         self.exchange = exchange
         self.use_cost_model = cost_model
+        if bandwidth is not None and not bandwidth > 0:
+            raise ValueError(
+                f"bandwidth is the link rate in bits per second and must be > 0, got "
+                f"{bandwidth!r}; leave it None to have the cost model measure the link"
+            )
         self.bandwidth = bandwidth
         self.calibration_steps = calibration_steps
         self.per_layer_telemetry = per_layer_telemetry

@@ -24,6 +24,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_parallel.comm.groups import new_group
+
 __all__: list[str] = []
 
 
@@ -140,12 +142,12 @@ class TreeAllReduce:
         self._host_group: dist.ProcessGroup | None = None
         if self.topology.ranks_per_host > 1:
             for host in range(self.topology.num_hosts):
-                group = dist.new_group(ranks=self.topology.host_ranks(host))
+                group = new_group(self.topology.host_ranks(host))
                 if host == self._host:
                     self._host_group = group
         self._leader_group: dist.ProcessGroup | None = None
         if self.topology.num_hosts > 1:
-            group = dist.new_group(ranks=self.topology.leaders())
+            group = new_group(self.topology.leaders())
             if self.rank == self._leader:
                 self._leader_group = group
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -28,6 +27,7 @@ from torch import Tensor
 from torch.distributed import distributed_c10d as c10d
 from torch.optim import Optimizer
 
+from lightning_parallel.comm.groups import new_group
 from lightning_parallel.parameter_server.budget import EpochBudget
 from lightning_parallel.parameter_server.client import ParameterClient
 from lightning_parallel.parameter_server.faults import Heartbeat, Watchdog, heartbeat_store
@@ -42,10 +42,10 @@ __all__: list[str] = []
 
 log = logging.getLogger(__name__)
 
-# Waits on the parameter-server group never time out by themselves: a receive that times out
-# makes gloo close every connection of the group, and a worker may legitimately be silent for a
-# whole validation. Failures are detected by connection loss and heartbeats instead.
-_NO_TIMEOUT = timedelta(days=365)
+# The parameter-server group has the run's timeout (comm.groups), not a shorter one: a receive
+# that times out makes gloo close every connection of the group, and a worker may legitimately
+# be silent for a whole validation. Failures are detected sooner by heartbeats and connection
+# loss; the timeout bounds what those miss.
 
 
 def check_overlap(overlap: bool, policy: UpdatePolicy) -> None:
@@ -183,7 +183,7 @@ class ParameterServerRuntime:
         self.parameters = parameters
         self.layout = ShardLayout.balanced([p.shape for p in parameters], shards)
         self.hosts = [(server_rank + shard) % self.world_size for shard in range(shards)]
-        self.group = dist.new_group(backend="gloo", timeout=_NO_TIMEOUT)
+        self.group = new_group(backend="gloo")  # the run's timeout (comm.groups)
         workers = list(range(self.world_size))
         self.local_hosts: dict[int, ShardHost] = {}
         for shard, host_rank in enumerate(self.hosts):

@@ -36,6 +36,8 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from lightning_parallel.comm.groups import new_group
+
 __all__: list[str] = []
 
 PLACEMENTS: tuple[str, ...] = ("pipeline", "stage")
@@ -102,12 +104,12 @@ def build_process_groups(topology: PipelineTopology, rank: int) -> ProcessGroups
     pipeline = data_parallel = None
     for group in range(topology.groups):
         ranks = topology.pipeline_ranks(group)
-        created = dist.new_group(sorted(ranks))
+        created = new_group(ranks)
         if rank in ranks:
             pipeline = created
     for stage in range(topology.stages):
         ranks = topology.data_parallel_ranks(stage)
-        created = dist.new_group(sorted(ranks))
+        created = new_group(ranks)
         if rank in ranks:
             data_parallel = created
     return ProcessGroups(pipeline, data_parallel)

@@ -43,21 +43,21 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from pytorch_lightning.strategies import DDPStrategy
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_parallel.comm.ledger import process_ledger
 from lightning_parallel.comm.modules import register_comm_hook
-from lightning_parallel.compat import check, register_strategy
+from lightning_parallel.compat import register_strategy
+from lightning_parallel.strategies.base import ParallelStrategyBase
 
 __all__ = ["HookedDDPStrategy", "PowerSGDDDPStrategy"]
 
 CommHook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
 
 
-class HookedDDPStrategy(DDPStrategy):
+class HookedDDPStrategy(ParallelStrategyBase):
     """DDP with ``ddp_comm_hook`` registered on CPU as well as on CUDA, and its calls counted.
 
     Args:
@@ -90,7 +90,6 @@ class HookedDDPStrategy(DDPStrategy):
             )
         if ddp_comm_hook is not None and not callable(ddp_comm_hook):
             raise TypeError(f"ddp_comm_hook must be callable, got {type(ddp_comm_hook).__name__}")
-        check(self)  # this Lightning has every private name we use (compat.private)
         # kept here, not handed to DDPStrategy: Lightning would register them on CUDA itself
         super().__init__(**kwargs)
         self.comm_hook = ddp_comm_hook

@@ -45,10 +45,10 @@ import pytorch_lightning as pl
 import torch
 import torch.distributed as dist
 from pytorch_lightning.plugins.precision import MixedPrecision
-from pytorch_lightning.strategies import DDPStrategy
 from pytorch_lightning.trainer.states import TrainerFn
 from torch import Tensor, nn
 from torch.distributed.constants import default_pg_timeout as DEFAULT_TIMEOUT
+from typing_extensions import override
 
 from lightning_parallel.comm.ledger import process_ledger
 from lightning_parallel.comm.modules import (
@@ -56,13 +56,7 @@ from lightning_parallel.comm.modules import (
     optimizers_to_device,
     reduce_tensor,
 )
-from lightning_parallel.compat import check, register_strategy
-from lightning_parallel.compat.private import (
-    check_start_method,
-    make_launcher,
-    set_launcher,
-    start_method,
-)
+from lightning_parallel.compat import register_strategy
 from lightning_parallel.pipeline.batchnorm import convert_deferred_batch_norm, restore_batch_norm
 from lightning_parallel.pipeline.consolidate import (
     broadcast_optimizer_state,
@@ -112,6 +106,7 @@ from lightning_parallel.pipeline.weight_grad import (
     convert_deferred_weight_gradients,
     restore_linear,
 )
+from lightning_parallel.strategies.base import ParallelStrategyBase
 
 __all__: list[str] = []
 
@@ -165,7 +160,7 @@ class _Pipeline:
     plan: PartitionPlan | None
 
 
-class GroPipeStrategy(DDPStrategy):
+class GroPipeStrategy(ParallelStrategyBase):
     """Train any LightningModule as ``world_size / stages`` data-parallel pipelines.
 
     Args:
@@ -202,6 +197,7 @@ class GroPipeStrategy(DDPStrategy):
 
     strategy_name = "gropipe"
     reports_communication = True
+    wraps_in_ddp = False  # no DistributedDataParallel: its keywords are refused
 
     def __init__(
         self,
@@ -225,8 +221,8 @@ class GroPipeStrategy(DDPStrategy):
         precision_plugin: Any = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = DEFAULT_TIMEOUT,
+        **kwargs: Any,
     ) -> None:
-        check(self)  # this Lightning has every private name we use (compat.private)
         if not isinstance(stages, int) or stages < 1:
             raise ValueError(f"stages must be a positive integer, got {stages!r}")
         if not isinstance(micro_batches, int) or micro_batches < 1:
@@ -245,7 +241,6 @@ class GroPipeStrategy(DDPStrategy):
                 f"{stages - 1} boundaries, got {list(partition)}"
             )
         check_recompute_mode(recompute)
-        check_start_method(start_method)
         if profile_repeats < 1:
             raise ValueError(f"profile_repeats must be at least 1, got {profile_repeats}")
         if timeline_steps < 1:
@@ -263,7 +258,8 @@ class GroPipeStrategy(DDPStrategy):
             precision_plugin=precision_plugin,
             process_group_backend=process_group_backend,
             timeout=timeout,
-            start_method=start_method,  # type: ignore[arg-type]
+            start_method=start_method,
+            **kwargs,
         )
         self.stages = stages
         self.micro_batches = micro_batches
@@ -272,6 +268,10 @@ class GroPipeStrategy(DDPStrategy):
         self.recompute = recompute
         self.deferred_batch_norm = deferred_batch_norm
         self.defer_weight_gradients = defer_weight_gradients
+        if memory_limit_bytes is not None and not memory_limit_bytes > 0:
+            raise ValueError(
+                f"memory_limit_bytes must be > 0 (or None: no limit), got {memory_limit_bytes!r}"
+            )
         self.memory_limit_bytes = memory_limit_bytes
         self.profile_repeats = profile_repeats
         self.timeline_path = timeline_path
@@ -310,15 +310,15 @@ class GroPipeStrategy(DDPStrategy):
     def stage_index(self) -> int:
         return self._placement.stage_of(self.global_rank)
 
+    @override
+    def check_world_size(self, world_size: int) -> None:
+        # raised by Trainer(...), before any process starts
+        PipelineTopology(world_size, self.stages, self.placement)
+
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # the stages of a group must see the same batches: count replicas, not processes
         return {"num_replicas": self.groups, "rank": self.group_index}
-
-    def _configure_launcher(self) -> None:
-        assert self.cluster_environment is not None
-        external = self.cluster_environment.creates_processes_externally
-        set_launcher(self, make_launcher(self, start_method(self), external))
 
     def setup_environment(self) -> None:
         super().setup_environment()

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pytorch_lightning.strategies import DDPStrategy
 from typing_extensions import override
 
 from lightning_parallel.callbacks.hylo import HyloCompression
@@ -25,11 +24,12 @@ from lightning_parallel.compat import register_strategy
 from lightning_parallel.compat.private import attached_trainer
 from lightning_parallel.compression.policy import MIN_COMPRESS_NUMEL
 from lightning_parallel.strategies.arguments import as_bool, optional_bool
+from lightning_parallel.strategies.base import ParallelStrategyBase
 
 __all__: list[str] = []
 
 
-class HyloStrategy(DDPStrategy):
+class HyloStrategy(ParallelStrategyBase):
     """DDP whose gradients are compressed layer by layer by Hylo (see ``HyloCompression``).
 
     Supported: CPU (gloo) and CUDA (NCCL), any launcher (``start_method`` as DDPStrategy),

@@ -55,7 +55,6 @@ import torch
 import torch.distributed as dist
 from lightning_fabric.plugins import CheckpointIO, ClusterEnvironment
 from pytorch_lightning.plugins.precision import Precision
-from pytorch_lightning.strategies import DDPStrategy
 from pytorch_lightning.trainer.states import TrainerFn
 from pytorch_lightning.utilities.rank_zero import rank_zero_warn
 from torch.distributed.constants import default_pg_timeout as DEFAULT_TIMEOUT
@@ -83,10 +82,11 @@ from lightning_parallel.averaging.policies import (
 from lightning_parallel.averaging.reduction import REDUCE_KINDS
 from lightning_parallel.comm.modules import broadcast_module_states, optimizers_to_device
 from lightning_parallel.comm.tree import ranks_per_host_from_environment
-from lightning_parallel.compat import check, register_strategy
+from lightning_parallel.compat import register_strategy
 from lightning_parallel.compat.private import layer_sync
 from lightning_parallel.compat.types import StrPath
 from lightning_parallel.strategies.arguments import optional_bool
+from lightning_parallel.strategies.base import ParallelStrategyBase
 
 __all__ = ["ModelAveragingStrategy"]
 
@@ -103,7 +103,7 @@ _HYPERPARAMETERS = {
 }
 
 
-class ModelAveragingStrategy(DDPStrategy):
+class ModelAveragingStrategy(ParallelStrategyBase):
     """Average models, not gradients: local SGD, one-shot, BMUF, EASGD and outer optimizers.
 
     Algorithm (``M`` processes, period ``H``, warm-up ``W``):
@@ -162,13 +162,17 @@ class ModelAveragingStrategy(DDPStrategy):
         checkpoint_io: as Lightning's ``DDPStrategy``.
         precision_plugin: as Lightning's ``DDPStrategy``.
         process_group_backend: as Lightning's ``DDPStrategy``.
-        timeout: as Lightning's ``DDPStrategy`` (a dead peer raises after it).
+        timeout: a ``timedelta`` for every collective, the averaging rounds' included (a dead
+            peer raises after it).
+        **kwargs: nothing else; an unknown keyword raises ``TypeError`` naming the accepted
+            ones.
 
     Attributes:
         averaging: the round runner while fitting (``None`` otherwise).
     """
 
     reports_communication = True
+    wraps_in_ddp = False  # no DistributedDataParallel: its keywords are refused
 
     def __init__(
         self,
@@ -199,9 +203,10 @@ class ModelAveragingStrategy(DDPStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = DEFAULT_TIMEOUT,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        **kwargs: Any,
     ) -> None:
-        check(self)  # this Lightning has every private name we use (compat.private)
         super().__init__(
+            **kwargs,
             accelerator=accelerator,
             parallel_devices=parallel_devices,
             cluster_environment=cluster_environment,

@@ -32,17 +32,15 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 from collections.abc import Callable, Mapping
+from datetime import timedelta
 from typing import Any, Literal
 
 import pytorch_lightning as pl
 import torch
 from lightning_fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning_fabric.plugins.environments import LightningEnvironment
 from pytorch_lightning.callbacks import Callback, ModelCheckpoint, Timer
 from pytorch_lightning.plugins.precision import Precision
-from pytorch_lightning.strategies import DDPStrategy
 from pytorch_lightning.trainer.states import RunningStage, TrainerFn
 from pytorch_lightning.utilities.exceptions import SIGTERMException
 from pytorch_lightning.utilities.rank_zero import rank_zero_warn
@@ -53,15 +51,11 @@ from typing_extensions import override
 
 from lightning_parallel.comm.ledger import process_ledger
 from lightning_parallel.comm.modules import broadcast_module_states
-from lightning_parallel.compat import check, register_strategy
+from lightning_parallel.compat import register_strategy
 from lightning_parallel.compat.private import (
-    check_start_method,
     fit_loop_data,
-    make_launcher,
     replace_sigterm_broadcast,
     saves_inside_epoch,
-    set_launcher,
-    start_method,
     stops_on_step_timer,
 )
 from lightning_parallel.compat.types import StrPath
@@ -71,13 +65,14 @@ from lightning_parallel.parameter_server.policies import UpdatePolicy
 from lightning_parallel.parameter_server.protocol import parse_wire_dtype
 from lightning_parallel.parameter_server.runtime import ParameterServerRuntime, check_overlap
 from lightning_parallel.strategies.arguments import as_bool
+from lightning_parallel.strategies.base import ParallelStrategyBase
 
 __all__: list[str] = []
 
 log = logging.getLogger(__name__)
 
 
-class ParameterServerStrategy(DDPStrategy):
+class ParameterServerStrategy(ParallelStrategyBase):
     """Train asynchronously against a parameter server with staleness control.
 
     Args:
@@ -103,7 +98,8 @@ class ParameterServerStrategy(DDPStrategy):
         server_rank: global rank hosting the first shard (default 0; shard k is on
             ``(server_rank + k) % world_size``).
         shards: number of server shards (default 1), each owning whole parameters.
-        timeout: seconds of heartbeat silence after which a worker counts as dead (default 60);
+        heartbeat_timeout: seconds of heartbeat silence after which a worker counts as dead
+            (default 60);
             a worker whose process dies is detected at once. Either way every rank stops with
             :class:`~lightning_parallel.parameter_server.WorkerFailure` naming the dead rank.
         start_method: how Lightning starts the processes: ``"popen"`` (default, like ``ddp``),
@@ -117,6 +113,7 @@ class ParameterServerStrategy(DDPStrategy):
     strategy_name = "parameter_server"
     #: CommStats must not add DDP's analytic allreduce bytes: this strategy reports its own.
     reports_communication = True
+    wraps_in_ddp = False  # no DistributedDataParallel: its keywords are refused
 
     def __init__(
         self,
@@ -132,7 +129,8 @@ class ParameterServerStrategy(DDPStrategy):
         staleness_decay: float = 0.5,
         server_rank: int = 0,
         shards: int = 1,
-        timeout: float = 60.0,
+        heartbeat_timeout: float = 60.0,
+        timeout: timedelta | None = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
@@ -140,8 +138,8 @@ class ParameterServerStrategy(DDPStrategy):
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
         process_group_backend: str | None = None,
+        **kwargs: Any,
     ) -> None:
-        check(self)  # this Lightning has every private name we use (compat.private)
         self.policy = UpdatePolicy(
             staleness=str(staleness),
             staleness_decay=float(staleness_decay),
@@ -160,9 +158,8 @@ class ParameterServerStrategy(DDPStrategy):
             raise ValueError(f"server_rank must be a global rank >= 0, got {server_rank!r}")
         if int(shards) != shards or shards < 1:
             raise ValueError(f"shards must be an integer >= 1, got {shards!r}")
-        if not float(timeout) > 0:
-            raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
-        check_start_method(start_method)
+        if isinstance(heartbeat_timeout, bool) or not float(heartbeat_timeout) > 0:
+            raise ValueError(f"heartbeat_timeout must be > 0 seconds, got {heartbeat_timeout!r}")
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -171,10 +168,12 @@ class ParameterServerStrategy(DDPStrategy):
             precision_plugin=precision_plugin,
             process_group_backend=process_group_backend,
             start_method=start_method,
+            timeout=timeout,
+            **kwargs,
         )
         self.server_rank = int(server_rank)
         self.shards = int(shards)
-        self.fault_timeout = float(timeout)
+        self.fault_timeout = float(heartbeat_timeout)
         self.runtime: ParameterServerRuntime | None = None
         self._asynchronous = False
         self._skipped = False
@@ -189,25 +188,6 @@ class ParameterServerStrategy(DDPStrategy):
         self._limit: int | float = 1.0
 
     # ------------------------------------------------------------------ launch and setup
-
-    @override
-    def _configure_launcher(self) -> None:
-        assert self.cluster_environment is not None
-        # an outside launcher started every process: Lightning's subprocess launcher then only
-        # runs the function, as it does for `ddp`
-        set_launcher(self, make_launcher(self, start_method(self), self._launched_externally()))
-
-    def _launched_externally(self) -> bool:
-        environment = self.cluster_environment
-        assert environment is not None
-        if not environment.creates_processes_externally:
-            return False
-        if isinstance(environment, LightningEnvironment):
-            # Lightning's own launchers leave LOCAL_RANK behind in the process that ran them;
-            # an outside launcher (the benchmark's cluster, a script) also exports WORLD_SIZE
-            world = os.environ.get("WORLD_SIZE")
-            return world is not None and int(world) == self.num_processes * self.num_nodes
-        return True  # torchrun, SLURM, ...
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:

@@ -58,6 +58,7 @@ from pytorch_lightning.trainer.states import TrainerFn
 from torch import Tensor, nn
 from torch.distributed.constants import default_pg_timeout as DEFAULT_TIMEOUT
 
+from lightning_parallel.comm.groups import new_group
 from lightning_parallel.comm.ledger import process_ledger
 from lightning_parallel.compat import register_strategy
 from lightning_parallel.pipeline.microbatch import batch_size, split_microbatches
@@ -233,6 +234,7 @@ class SpecTrainStrategy(GroPipeStrategy):
         precision_plugin: Any = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = DEFAULT_TIMEOUT,
+        **kwargs: Any,
     ) -> None:
         if prediction is None:  # "none" parsed as None by config parsers (the benchmark's)
             prediction = "none"
@@ -277,6 +279,7 @@ class SpecTrainStrategy(GroPipeStrategy):
             precision_plugin=precision_plugin,
             process_group_backend=process_group_backend,
             timeout=timeout,
+            **kwargs,
         )
         self.prediction = prediction
         self.learning_rates = learning_rates
@@ -315,7 +318,7 @@ class SpecTrainStrategy(GroPipeStrategy):
         if self.stages > 1 and self._mirror_groups is None and self._topology is not None:
             # a group of its own, so the asynchronous exchange never queues behind other work
             self._mirror_groups = [
-                dist.new_group(sorted(self._topology.pipeline_ranks(group)))
+                new_group(self._topology.pipeline_ranks(group))
                 for group in range(self._topology.groups)
             ]
 

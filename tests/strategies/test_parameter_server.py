@@ -223,7 +223,7 @@ def test_killed_worker_stops_lightning_ranks_naming_it(tmp_path):
             accelerator="cpu",
             devices=1,
             num_nodes=world,
-            strategy=ParameterServerStrategy(timeout=10.0),
+            strategy=ParameterServerStrategy(heartbeat_timeout=10.0),
             max_epochs=50,
             callbacks=[Die()],
             logger=False,
