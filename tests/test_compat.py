@@ -29,7 +29,7 @@ from lightning_parallel.compat import (
     private,
     registration,
 )
-from lightning_parallel.compat.namespaces import of_class
+from lightning_parallel.compat.namespaces import NAMESPACE_VARIABLE, of_class
 
 INSTALLED = installed()
 IDS = [namespace.key for namespace in INSTALLED]
@@ -164,13 +164,28 @@ def test_a_script_gets_the_build_of_the_lightning_it_imports(imports, expected) 
         capture_output=True,
         text=True,
         timeout=120,
-        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+        env={**_without_override(), "PYTHONWARNINGS": "ignore"},
     )
     assert done.returncode == 0, done.stderr[-2000:]
     modules, imported = done.stdout.strip().splitlines()[-2:]
     prefix = expected.layer + ".strategies."
     assert all(module.startswith(prefix) for module in modules.split()), modules
     assert imported == str([expected.pytorch])  # nothing imported the other Lightning
+
+
+def _without_override() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k != NAMESPACE_VARIABLE}
+
+
+def test_the_override_variable_decides(monkeypatch) -> None:
+    from lightning_parallel.compat import active
+
+    for namespace in INSTALLED:
+        monkeypatch.setenv(NAMESPACE_VARIABLE, namespace.key)
+        assert active() is namespace
+    monkeypatch.setenv(NAMESPACE_VARIABLE, "tensorflow")
+    with pytest.raises(ValueError, match="unknown Lightning namespace"):
+        active()
 
 
 # --------------------------------------------------------------------------- fits per family
@@ -235,5 +250,5 @@ def test_the_lightning_build_is_not_read_from_the_real_modules_bytecode() -> Non
     # the real module's .pyc holds the unmapped code; the mapped loader must never read it
     if LIGHTNING not in INSTALLED:
         pytest.skip("lightning is not installed")
-    module = importlib.import_module("lightning_parallel.lightning.strategies.hylo")
-    assert "lightning.pytorch" in module.DDPStrategy.__module__
+    module = importlib.import_module("lightning_parallel.lightning.strategies.base")
+    assert module.DDPStrategy.__module__.startswith("lightning.pytorch")

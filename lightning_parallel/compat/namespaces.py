@@ -107,9 +107,14 @@ def installed() -> list[Namespace]:
     return [namespace for namespace in NAMESPACES if namespace.is_installed()]
 
 
+NAMESPACE_VARIABLE = "LIGHTNING_PARALLEL_NAMESPACE"
+
+
 def active() -> Namespace:
     """The namespace that the user's code works with, decided as late as possible.
 
+    0. the environment variable ``LIGHTNING_PARALLEL_NAMESPACE`` (``lightning`` or
+       ``pytorch_lightning``), when set, decides;
     1. exactly one namespace imported in this process: that one;
     2. both imported: ``lightning.pytorch`` (import the class from
        ``lightning_parallel.strategies`` to get the ``pytorch_lightning`` one explicitly);
@@ -118,6 +123,9 @@ def active() -> Namespace:
     Raises:
         ModuleNotFoundError: neither is installed (names the distributions to install).
     """
+    forced = os.environ.get(NAMESPACE_VARIABLE)
+    if forced:
+        return by_key(forced)
     imported = [namespace for namespace in NAMESPACES if namespace.is_imported()]
     if imported:
         return imported[0]
