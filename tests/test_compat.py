@@ -7,7 +7,6 @@ CI runs them on the newest ``lightning`` and on the oldest supported ``pytorch-l
 from __future__ import annotations
 
 import importlib
-import os
 import re
 import subprocess
 import sys
@@ -17,6 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.environment import user_environment
+from helpers.trainers import QUIET
 
 import lightning_parallel
 from lightning_parallel.compat import (
@@ -164,17 +165,13 @@ def test_a_script_gets_the_build_of_the_lightning_it_imports(imports, expected) 
         capture_output=True,
         text=True,
         timeout=120,
-        env={**_without_override(), "PYTHONWARNINGS": "ignore"},
+        env=user_environment(PYTHONWARNINGS="ignore"),
     )
     assert done.returncode == 0, done.stderr[-2000:]
     modules, imported = done.stdout.strip().splitlines()[-2:]
     prefix = expected.layer + ".strategies."
     assert all(module.startswith(prefix) for module in modules.split()), modules
     assert imported == str([expected.pytorch])  # nothing imported the other Lightning
-
-
-def _without_override() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if k != NAMESPACE_VARIABLE}
 
 
 def test_the_override_variable_decides(monkeypatch) -> None:
@@ -217,10 +214,7 @@ def _fit(namespace, family: str, start_method: str = "fork") -> dict[str, float]
         max_epochs=1,
         limit_train_batches=4,
         limit_val_batches=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        **QUIET,
     )
     trainer.fit(model, datamodule=data)
     # fork and spawn return rank 0's metrics to this process (not its step counter)

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers.environment import user_environment
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.MULTILINE | re.DOTALL)
@@ -27,5 +28,6 @@ def test_page_code_runs(page, tmp_path):
         capture_output=True,
         text=True,
         timeout=180,
+        env=user_environment(),
     )
     assert result.returncode == 0, f"{page.name} failed:\n{result.stderr[-4000:]}"

@@ -3,6 +3,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers.environment import user_environment
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -41,3 +42,37 @@ def test_pipeline_seeds_example_prints_the_accuracy(tmp_path):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "v2 seed=0 val_acc=" in result.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.compat
+@pytest.mark.parametrize(
+    ("lightning", "flag", "value"),
+    [
+        ("lightning", "--strategy", "model_averaging"),
+        ("pytorch_lightning", "--instance", "GroPipeStrategy"),
+    ],
+)
+def test_any_lightning_example_fits_with_only_that_lightning_imported(
+    tmp_path, lightning, flag, value
+):
+    # Lightning's popen launcher re-runs the script per rank, as it does for a user's script;
+    # the test session's namespace override must not reach it
+    pytest.importorskip("lightning.pytorch" if lightning == "lightning" else "pytorch_lightning")
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "examples" / "any_lightning.py"),
+            "--lightning",
+            lightning,
+            flag,
+            value,
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=user_environment(),
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"ok {lightning} {value}:" in result.stdout

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from helpers.distributed import run_distributed
+from helpers.trainers import QUIET
 from pytorch_lightning import Callback, Trainer
 
 import lightning_parallel
@@ -147,10 +148,7 @@ def test_the_strategy_sets_its_timeout_for_the_groups_it_creates(cls) -> None:
         max_steps=2,
         limit_val_batches=0,
         callbacks=[_RecordGroupTimeout()],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        **QUIET,
     )
     trainer.fit(model, datamodule=data)
     assert trainer.state.finished
