@@ -147,19 +147,16 @@ print(sorted(m for m in ("lightning.pytorch", "pytorch_lightning") if m in sys.m
 """
 
 
-@pytest.mark.parametrize(
-    ("imports", "expected"),
-    [
-        # lightning_parallel imported first, as isort orders `import pytorch_lightning` after it
-        ("import lightning_parallel\nimport pytorch_lightning as pl", PYTORCH_LIGHTNING),
-        ("import lightning.pytorch as pl", LIGHTNING),
-    ],
-    ids=["pytorch_lightning", "lightning"],
-)
-def test_a_script_gets_the_build_of_the_lightning_it_imports(imports, expected) -> None:
-    if expected not in INSTALLED:
-        pytest.skip(f"{expected.distribution} is not installed")
-    script = _SCRIPT.format(imports=imports)
+_IMPORTS = {
+    # lightning_parallel imported first, as isort orders `import pytorch_lightning` after it
+    PYTORCH_LIGHTNING: "import lightning_parallel\nimport pytorch_lightning as pl",
+    LIGHTNING: "import lightning.pytorch as pl",
+}
+
+
+@pytest.mark.parametrize("expected", INSTALLED, ids=IDS)
+def test_a_script_gets_the_build_of_the_lightning_it_imports(expected) -> None:
+    script = _SCRIPT.format(imports=_IMPORTS[expected])
     done = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(script)],
         capture_output=True,
@@ -240,9 +237,8 @@ def test_spawned_ranks_unpickle_the_lightning_build() -> None:
     assert "val_acc" in metrics
 
 
+@pytest.mark.skipif(LIGHTNING not in INSTALLED, reason="the lightning distribution is absent")
 def test_the_lightning_build_is_not_read_from_the_real_modules_bytecode() -> None:
     # the real module's .pyc holds the unmapped code; the mapped loader must never read it
-    if LIGHTNING not in INSTALLED:
-        pytest.skip("lightning is not installed")
     module = importlib.import_module("lightning_parallel.lightning.strategies.base")
     assert module.DDPStrategy.__module__.startswith("lightning.pytorch")

@@ -58,7 +58,6 @@ def test_any_lightning_example_fits_with_only_that_lightning_imported(
 ):
     # Lightning's popen launcher re-runs the script per rank, as it does for a user's script;
     # the test session's namespace override must not reach it
-    pytest.importorskip("lightning.pytorch" if lightning == "lightning" else "pytorch_lightning")
     result = subprocess.run(
         [
             sys.executable,
