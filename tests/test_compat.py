@@ -94,13 +94,19 @@ def test_every_private_use_exists_in_the_installed_lightning(namespace) -> None:
     assert private.problems(namespace) == ()
 
 
-def test_a_missing_private_name_fails_at_construction_naming_it_and_the_range(monkeypatch) -> None:
+@pytest.mark.parametrize(
+    "public",
+    ["GroPipeStrategy", "HyloStrategy", "ParameterServerStrategy", "CommStats", "HyloCompression"],
+)
+def test_a_missing_private_name_fails_at_construction_naming_it_and_the_range(
+    monkeypatch, public
+) -> None:
     gone = replace(private.PRIVATE_USES[0], name="_a_name_lightning_removed")
     monkeypatch.setattr(private, "PRIVATE_USES", (*private.PRIVATE_USES, gone))
     private.problems.cache_clear()
     try:
         with pytest.raises(LightningCompatError) as raised:
-            lightning_parallel.GroPipeStrategy.build(PYTORCH_LIGHTNING)(stages=2)
+            getattr(lightning_parallel, public).build(PYTORCH_LIGHTNING)()
     finally:
         private.problems.cache_clear()
     assert "_a_name_lightning_removed" in str(raised.value)

@@ -39,6 +39,7 @@ from pytorch_lightning.strategies import DDPStrategy
 
 from lightning_parallel.comm.accounting import ring_allreduce_bytes, track_collectives
 from lightning_parallel.comm.ledger import CommLedger, process_ledger
+from lightning_parallel.compat import check
 from lightning_parallel.compat.private import should_update_logs
 
 __all__: list[str] = []
@@ -82,6 +83,7 @@ class CommStats(Callback):
         gauges_every_n_steps: int | None = None,
         summary: bool = False,
     ) -> None:
+        check(self)  # this Lightning has every private name we use (compat.private)
         if gauges_every_n_steps is not None and gauges_every_n_steps < 1:
             raise ValueError(
                 f"gauges_every_n_steps must be >= 1 or None (follow the trainer's "
