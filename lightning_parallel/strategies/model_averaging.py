@@ -72,6 +72,7 @@ from lightning_parallel.averaging import (
     PeriodicAverager,
     ReplicaAveraging,
     build_reduction,
+    replica_files,
 )
 from lightning_parallel.averaging.outer_optimizer import OuterOptimizerFactory
 from lightning_parallel.averaging.policies import (
@@ -255,6 +256,7 @@ class ModelAveragingStrategy(ParallelStrategyBase):
         self._stepped_this_batch = False
         self._synchronous_batch = False
         self._restored: dict[str, Any] | None = None
+        self._checkpoint_path: StrPath | None = None
 
     # ------------------------------------------------------------------ setup
 
@@ -365,25 +367,55 @@ class ModelAveragingStrategy(ParallelStrategyBase):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: StrPath, storage_options: Any | None = None
     ) -> None:
-        if self.averaging is not None and "optimizer_states" in checkpoint:
-            checkpoint[CHECKPOINT_KEY] = self._averaging_checkpoint(self.averaging)
-        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        """Save the averaged model; each rank's replica goes to a file of its own first.
 
-    def _averaging_checkpoint(self, averaging: ReplicaAveraging) -> dict[str, Any]:
-        """The averaging state of every rank, gathered on rank 0 (collective)."""
+        See :mod:`lightning_parallel.averaging.replica_files`: the checkpoint's size does not
+        grow with the world size, and a crash during a save leaves the previous one intact.
+        """
+        averaging = self.averaging
+        if averaging is None or "optimizer_states" not in checkpoint:
+            super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+            return
         averaging.synchronize()
         local = averaging.local_state_dict()
-        replicas: list[Any] | None = [local]
-        if averaging.world_size > 1:
-            replicas = [None] * averaging.world_size if self.is_global_zero else None
-            dist.gather_object(local, replicas, dst=0)
-        return {
-            "format": 1,
+        state: dict[str, Any] = {
             "algorithm": type(averaging.averager).__name__,
             "world_size": averaging.world_size,
             "shared": averaging.state_dict(),
-            "replicas": replicas,
         }
+        if not replica_files.supports(filepath):
+            # a URL (s3://...): the replicas travel in the checkpoint, gathered on rank 0
+            gathered: list[Any] | None = [local]
+            if averaging.world_size > 1:
+                gathered = [None] * averaging.world_size if self.is_global_zero else None
+                dist.gather_object(local, gathered, dst=0)
+            checkpoint[CHECKPOINT_KEY] = {"format": 1, **state, "replicas": gathered}
+            super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+            return
+        save_id = f"step{averaging.schedule.optimizer_steps}"
+        replica_files.save_replica(
+            local, replica_files.replica_path(filepath, save_id, self.global_rank)
+        )
+        self.barrier(
+            "model_averaging.save_replicas"
+        )  # every replica is on disk before the checkpoint
+        checkpoint[CHECKPOINT_KEY] = {"format": 2, **state, "replica_files": save_id}
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        if self.is_global_zero:
+            replica_files.remove_other_saves(filepath, keep=save_id)
+
+    @override
+    def remove_checkpoint(self, filepath: StrPath) -> None:
+        super().remove_checkpoint(filepath)
+        if self.is_global_zero and replica_files.supports(filepath):
+            replica_files.remove_other_saves(filepath, keep=None)
+
+    @override
+    def load_checkpoint(
+        self, checkpoint_path: StrPath, *args: Any, **kwargs: Any
+    ) -> dict[str, Any]:
+        self._checkpoint_path = checkpoint_path
+        return super().load_checkpoint(checkpoint_path, *args, **kwargs)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -401,19 +433,42 @@ class ModelAveragingStrategy(ParallelStrategyBase):
 
     def _restore_averaging(self, averaging: ReplicaAveraging, restored: dict[str, Any]) -> None:
         algorithm = type(averaging.averager).__name__
+        replica = self._saved_replica(restored)
+        reason = None
         if restored.get("world_size") != averaging.world_size or (
             restored.get("algorithm") != algorithm
         ):
-            rank_zero_warn(
+            reason = (
                 f"the checkpoint's model averaging ran {restored.get('algorithm')} on "
                 f"{restored.get('world_size')} processes, this run {algorithm} on "
-                f"{averaging.world_size}: every replica restarts from the checkpoint's averaged "
-                "model and the averager starts afresh (only the step counter is kept)"
+                f"{averaging.world_size}"
+            )
+        elif replica is None:
+            reason = (
+                f"rank {self.global_rank}'s replica file of the checkpoint is missing (copy the "
+                f"{replica_files.SUFFIX} folder beside the checkpoint along with it)"
+            )
+        if reason is not None or replica is None:
+            rank_zero_warn(
+                f"{reason}: every replica restarts from the checkpoint's averaged model and the "
+                "averager starts afresh (only the step counter is kept)"
             )
             averaging.schedule.load_state_dict(restored["shared"]["schedule"])
             return
         averaging.load_state_dict(restored["shared"])
-        averaging.load_local_state_dict(restored["replicas"][self.global_rank])
+        averaging.load_local_state_dict(replica)
+
+    def _saved_replica(self, restored: dict[str, Any]) -> dict[str, Any] | None:
+        """This rank's saved replica state, or ``None`` where it cannot be found."""
+        if restored.get("format", 1) == 1:
+            replicas = restored.get("replicas") or []
+            return replicas[self.global_rank] if self.global_rank < len(replicas) else None
+        if self._checkpoint_path is None:
+            return None
+        path = replica_files.replica_path(
+            self._checkpoint_path, restored["replica_files"], self.global_rank
+        )
+        return replica_files.load_replica(path) if path.is_file() else None
 
 
 def _closure_averaging_gradients(

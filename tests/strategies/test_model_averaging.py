@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_parallel.strategies.model_averaging  # noqa: F401  (registers the names)
-from lightning_parallel.averaging import BlockMomentumAverager
+from lightning_parallel.averaging import BlockMomentumAverager, replica_files
 from lightning_parallel.strategies.model_averaging import CHECKPOINT_KEY, ModelAveragingStrategy
 
 
@@ -274,7 +274,13 @@ def test_checkpoint_holds_the_mean_and_loads_anywhere(tmp_path: Path) -> None:
     saved = torch.load(path, weights_only=False)
     state = saved[CHECKPOINT_KEY]
     assert state["shared"]["schedule"] == {"optimizer_steps": 5, "rounds": 1, "last_round_step": 4}
-    replicas = [replica["model"] for replica in state["replicas"]]
+    assert "replicas" not in state  # each rank's replica is in a file of its own
+    replicas = [
+        replica_files.load_replica(replica_files.replica_path(path, state["replica_files"], rank))[
+            "model"
+        ]
+        for rank in range(2)
+    ]
     for key, value in saved["state_dict"].items():
         mean = (replicas[0][key] + replicas[1][key]) / 2
         assert torch.allclose(value, mean, atol=1e-7), key
@@ -285,6 +291,55 @@ def test_checkpoint_holds_the_mean_and_loads_anywhere(tmp_path: Path) -> None:
     single = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
     single.validate(Regression(), ckpt_path=str(path), verbose=False)
     fit(Regression(momentum=0.9), "ddp_fork", max_epochs=2, ckpt_path=str(path))
+
+
+def _checkpoint_at(directory: Path, world_size: int) -> Path:
+    checkpoint = ModelCheckpoint(dirpath=directory, save_top_k=-1, filename="mid")
+    fit(
+        Regression(momentum=0.9),
+        averaging(period=4),
+        callbacks=[checkpoint],
+        max_epochs=1,
+        devices=world_size,
+    )
+    return directory / "mid.ckpt"
+
+
+def test_checkpoint_size_does_not_grow_with_the_world_size(tmp_path: Path) -> None:
+    sizes = {}
+    for world_size in (2, 4):
+        path = _checkpoint_at(tmp_path / str(world_size), world_size)
+        saved = torch.load(path, weights_only=False)
+        (save,) = path.with_name("mid.ckpt.replicas").iterdir()
+        assert save.name == saved[CHECKPOINT_KEY]["replica_files"]
+        assert sorted(p.name for p in save.iterdir()) == [f"rank{r}.pt" for r in range(world_size)]
+        sizes[world_size] = path.stat().st_size
+    assert abs(sizes[4] - sizes[2]) / sizes[2] < 0.10, sizes
+
+
+def test_a_replica_save_that_fails_leaves_the_previous_file_whole(tmp_path: Path) -> None:
+    path = replica_files.replica_path(tmp_path / "last.ckpt", "step4", 0)
+    replica_files.save_replica({"weights": torch.ones(3)}, path)
+
+    class Unpicklable:
+        def __reduce__(self) -> Any:
+            raise RuntimeError("the save broke half-way")
+
+    with pytest.raises(RuntimeError, match="half-way"):
+        replica_files.save_replica({"weights": torch.zeros(3), "broken": Unpicklable()}, path)
+    assert torch.equal(replica_files.load_replica(path)["weights"], torch.ones(3))
+    assert [p.name for p in path.parent.iterdir()] == ["rank0.pt"]  # no temporary left
+
+
+def test_removing_a_checkpoint_removes_its_replica_files(tmp_path: Path) -> None:
+    # save_top_k=1 keeps the better checkpoint and removes the other, with its replicas
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, save_top_k=1, monitor="step", mode="max")
+    fit(Regression(), averaging(period=2), callbacks=[checkpoint], max_epochs=2)
+    kept = sorted(p.name for p in tmp_path.iterdir())
+    assert len([name for name in kept if name.endswith(".ckpt")]) == 1
+    assert [name for name in kept if name.endswith(".replicas")] == [
+        f"{name}.replicas" for name in kept if name.endswith(".ckpt")
+    ]
 
 
 # ---------------------------------------------------------------------------- arguments
