@@ -199,7 +199,14 @@ FAMILIES = {
 }
 
 
-def _fit(namespace, family: str, start_method: str = "fork") -> dict[str, float]:
+def _fit(
+    namespace,
+    family: str,
+    start_method: str = "fork",
+    callbacks: list[object] | None = None,
+    ckpt_path: str | None = None,
+    max_epochs: int = 1,
+) -> dict[str, float]:
     from lightning_parallel.demo import build_datamodule, build_model
 
     pl = namespace.module()
@@ -214,12 +221,13 @@ def _fit(namespace, family: str, start_method: str = "fork") -> dict[str, float]
         accelerator="cpu",
         devices=2,
         strategy=cls(start_method=start_method, **options),
-        max_epochs=1,
+        max_epochs=max_epochs,
         limit_train_batches=4,
         limit_val_batches=2,
-        **QUIET,
+        callbacks=callbacks,
+        **{**QUIET, "enable_checkpointing": bool(callbacks)},
     )
-    trainer.fit(model, datamodule=data)
+    trainer.fit(model, datamodule=data, ckpt_path=ckpt_path)
     # fork and spawn return rank 0's metrics to this process (not its step counter)
     assert trainer.state.finished
     return {key: float(value) for key, value in trainer.callback_metrics.items()}
@@ -233,6 +241,19 @@ def test_one_fit_per_family_under_each_lightning(namespace, family) -> None:
     metrics = _fit(namespace, family)
     assert 0.0 <= metrics["val_acc"] <= 1.0
     assert torch.isfinite(torch.tensor(metrics["val_loss"]))
+
+
+@pytest.mark.compat
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("namespace", INSTALLED, ids=IDS)
+def test_a_checkpoint_saves_and_resumes_under_each_lightning(namespace, family, tmp_path) -> None:
+    checkpoint_class = importlib.import_module(f"{namespace.pytorch}.callbacks").ModelCheckpoint
+    saving = checkpoint_class(dirpath=tmp_path, filename="first", save_top_k=-1)
+    _fit(namespace, family, callbacks=[saving])
+    path = tmp_path / "first.ckpt"
+    assert path.is_file()
+    metrics = _fit(namespace, family, ckpt_path=str(path), max_epochs=2)
+    assert "val_acc" in metrics
 
 
 @pytest.mark.compat

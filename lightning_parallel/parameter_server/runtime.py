@@ -373,6 +373,11 @@ class ParameterServerRuntime:
                 )
             with host._lock:
                 server.load_state_dict(state)
+        if server_state is not None and server_state.get("shards") == self.layout.shards:
+            # every worker's model was loaded from the same checkpoint, which holds the shards'
+            # weights at these versions: the server counts each worker as having read them,
+            # so the worker's next gradient must say so (it said 0, and the server refused it)
+            self.client.read_versions = [int(version) for version in server_state["versions"]]
 
     def set_run_batches(self, run_batches: int | None) -> None:
         """Change the run's batch limit (on the first shard's host)."""

@@ -460,9 +460,10 @@ class ParameterServerStrategy(ParallelStrategyBase):
 
     @override
     def load_checkpoint(
-        self, checkpoint_path: StrPath, weights_only: bool | None = None
+        self, checkpoint_path: StrPath, *args: Any, **kwargs: Any
     ) -> dict[str, Any]:
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        # passed on as given: Lightning 2.4's signature has no weights_only
+        checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
         self._resume_server_state = checkpoint.get("parameter_server")
         return checkpoint
 
