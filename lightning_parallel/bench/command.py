@@ -52,6 +52,15 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--straggler", default=None, metavar="RANK:FACTOR")
     parser.add_argument("--warmup-steps", type=int, default=5, help="excluded from step times")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
+    parser.add_argument(
+        "--fault",
+        action="append",
+        default=[],
+        metavar="KIND:TARGET@SECONDS",
+        help="inject into every run, SECONDS after its processes start: kill:RANK (SIGKILL), "
+        "freeze:RANK (SIGSTOP) or link:HOST (drop the host's link); repeat for several. "
+        "Give SPECs a short timeout (e.g. -s ddp_fp16:timeout=30)",
+    )
     parser.add_argument("--json", type=Path, default=None, help="write the BENCH.md JSON here")
     parser.add_argument("--plot", type=Path, default=None, help="write the PNG plot here")
     parser.add_argument("--log-dir", type=Path, default=None, help="per-run worker logs")
@@ -91,6 +100,7 @@ def main(argv: list[str]) -> int:
         procs_per_host=args.procs_per_host,
         warmup_steps=args.warmup_steps,
         timeout=args.timeout,
+        faults=args.fault,
     )
     warnings.filterwarnings("ignore", "latency .* is NOT emulated", RuntimeWarning)
     try:

@@ -25,12 +25,14 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 from lightning_parallel.bench.specs import build_strategy, parse_spec
-from lightning_parallel.cluster.launcher import run_on_hosts
+from lightning_parallel.cluster.faults import ProcessEnd, check_faults, parse_fault
+from lightning_parallel.cluster.launcher import ClusterRun, run_on_hosts
 from lightning_parallel.cluster.network import SimulatedNetwork, check_requirements
 from lightning_parallel.cluster.units import parse_bandwidth, parse_latency, parse_straggler
 
@@ -58,6 +60,7 @@ class BenchConfig:
     procs_per_host: int = 1
     warmup_steps: int = 5
     timeout: float = 900.0
+    faults: list[str] = field(default_factory=list)
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the fix for any inconsistent setting."""
@@ -77,6 +80,7 @@ class BenchConfig:
             raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
         parse_bandwidth(self.bandwidth)
         parse_latency(self.latency)
+        check_faults([parse_fault(f) for f in self.faults], self.hosts, self.world_size)
         if self.straggler is not None:
             rank, _ = parse_straggler(self.straggler)
             if rank >= self.world_size:
@@ -220,6 +224,95 @@ def _worker_command(spec: str, config: BenchConfig, output: Path) -> list[str]:
     return command
 
 
+# seconds past the strategy's timeout after which a survivor of a fault counts as hung: the
+# bar is timeout + 30 s; waiting 30 s more shows by how much a late rank misses it
+HANG_MARGIN_S = 60.0
+
+
+def spec_timeout_s(spec: str) -> float:
+    """The collective timeout a SPEC runs with, in seconds (``timeout=N``, else torch's 1800)."""
+    value = parse_spec(spec).options.get("timeout")
+    if isinstance(value, timedelta):
+        return value.total_seconds()
+    return float(value) if isinstance(value, (int, float)) else 1800.0
+
+
+def _rank_outcome(
+    end: ProcessEnd, first_fault: float | None, record: dict[str, Any] | None
+) -> dict[str, Any]:
+    error = None
+    if record is not None and not record.get("ok"):
+        error = record.get("error")
+    elif end.exit_code not in (0, None):
+        error = end.last_line or None
+    return {
+        "rank": end.rank,
+        "host": end.host,
+        "faulted": end.faulted,
+        "exit_code": end.exit_code,
+        "end_s": end.end_s,
+        "after_fault_s": end.after_fault(first_fault),
+        "hung": end.hung,
+        "error": error,
+    }
+
+
+def fault_outcome(
+    result: ClusterRun, records: list[dict[str, Any]], timeout_s: float
+) -> dict[str, Any]:
+    """What every rank did after the faults: the ``extra`` keys of a run with ``--fault``.
+
+    ``survivors_within_bar``: every process no fault targeted ended (or finished) within
+    ``timeout_s + 30`` s of the first fault, none hung, none orphaned.
+    """
+    by_rank = {int(r["rank"]): r for r in records}
+    first = result.first_fault_s
+    ranks = [_rank_outcome(end, first, by_rank.get(end.rank)) for end in result.ends]
+    survivors = [r for r in ranks if not r["faulted"]]
+    within = all(
+        not r["hung"] and r["after_fault_s"] is not None and r["after_fault_s"] <= timeout_s + 30
+        for r in survivors
+    )
+    return {
+        "faults": [
+            {"fault": str(f.fault), "applied_s": f.applied_s, "note": f.note or None}
+            for f in result.faults
+        ],
+        "timeout_s": timeout_s,
+        "ranks": ranks,
+        "hung": [r["rank"] for r in survivors if r["hung"]],
+        "orphans": len(result.orphans),
+        "survivors_within_bar": within and not result.orphans,
+    }
+
+
+def _diagnosis_first(error: str) -> str:
+    """The library's diagnosis line first, then the first line of the raw error."""
+    lines = [line.strip() for line in error.strip().splitlines() if line.strip()]
+    ours = [line for line in lines if line.startswith("[lightning_parallel]")]
+    rest = [line for line in lines if not line.startswith("[lightning_parallel]")]
+    return " | ".join(ours + [line[:200] for line in rest[:1]])
+
+
+def _fault_error(outcome: dict[str, Any]) -> str:
+    lines = []
+    for fault in outcome["faults"]:
+        when = "not applied" if fault["applied_s"] is None else f"at {fault['applied_s']:.1f} s"
+        lines.append(f"{parse_fault(fault['fault']).describe()} {when} ({fault['fault']})")
+    for rank in outcome["ranks"]:
+        if rank["faulted"]:
+            continue
+        if rank["hung"]:
+            lines.append(f"rank {rank['rank']}: HUNG, killed")
+            continue
+        after = rank["after_fault_s"]
+        timing = "" if after is None else f" {after:.1f} s after the fault"
+        error = _diagnosis_first(rank["error"] or "")
+        status = "finished" if rank["exit_code"] == 0 else f"ended (exit {rank['exit_code']})"
+        lines.append(f"rank {rank['rank']}: {status}{timing}" + (f": {error}" if error else ""))
+    return "\n".join(lines)
+
+
 def run_spec(spec: str, config: BenchConfig, log_dir: Path) -> dict[str, Any]:
     """Train under ``spec`` on a fresh simulated cluster; the run's BENCH.md record."""
     started = time.perf_counter()
@@ -233,6 +326,8 @@ def run_spec(spec: str, config: BenchConfig, log_dir: Path) -> dict[str, Any]:
     log_path = log_dir / (re.sub(r"[^A-Za-z0-9_.=-]+", "_", spec) + ".log")
     with tempfile.TemporaryDirectory(prefix="lp-bench-") as directory, log_path.open("w") as log:
         output = Path(directory)
+        faults = [parse_fault(text) for text in config.faults]
+        timeout_s = spec_timeout_s(spec)
         with SimulatedNetwork(config.hosts, config.bandwidth, config.latency) as network:
             result = run_on_hosts(
                 network,
@@ -241,10 +336,28 @@ def run_spec(spec: str, config: BenchConfig, log_dir: Path) -> dict[str, Any]:
                 straggler=config.straggler,
                 timeout=config.timeout,
                 output=log,
+                faults=faults,
+                hang_after=timeout_s + HANG_MARGIN_S if faults else None,
             )
             latency_emulated = network.latency_emulated
         records = [json.loads(path.read_text()) for path in sorted(output.glob("rank*.json"))]
-    extra = {"log": str(log_path), "total_s": time.perf_counter() - started}
+    extra: dict[str, Any] = {"log": str(log_path), "total_s": time.perf_counter() - started}
+    if result.first_fault_s is not None:
+        outcome = fault_outcome(result, records, timeout_s)
+        ended = [r["end_s"] for r in outcome["ranks"] if not r["faulted"] and r["end_s"]]
+        finished = [r for r in records if r.get("ok")]
+        if (
+            outcome["survivors_within_bar"]
+            and len(finished) == sum(not r["faulted"] for r in outcome["ranks"])
+            and all(r["exit_code"] == 0 for r in outcome["ranks"] if not r["faulted"])
+        ):
+            # the strategy went on without the faulted ranks and finished
+            run = summarize(spec, name, finished, config)
+            run["extra"].update(extra, outcome, latency_emulated=latency_emulated)
+            return run
+        failed = _failed(spec, name, config.world_size, _fault_error(outcome), **extra, **outcome)
+        failed["wall_s"] = max(ended) if ended else None
+        return failed
     errors = [f"rank {r['rank']}: {r['error']}" for r in records if not r.get("ok")]
     if result.returncode != 0 or errors or len(records) != config.world_size:
         lines = [result.message if result.returncode else "a process failed"]

@@ -247,7 +247,9 @@ def main(argv: list[str] | None = None) -> int:
         traceback.print_exc()
         record = {
             "ok": False,
-            "error": f"{type(error).__name__}: {error}",
+            "error": "\n".join(
+                [f"{type(error).__name__}: {error}", *getattr(error, "__notes__", [])]
+            ),
             "traceback": traceback.format_exc(),
             "rank": int(rank),
             "peak_rss_mb": _peak_rss_mb(),

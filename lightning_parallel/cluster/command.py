@@ -12,6 +12,7 @@ import argparse
 import sys
 import warnings
 
+from lightning_parallel.cluster.faults import check_faults, fault_report, parse_fault
 from lightning_parallel.cluster.launcher import (
     ClusterInterrupted,
     interrupt_on_signals,
@@ -57,6 +58,21 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--timeout", type=float, default=None, help="kill everything after this many seconds"
     )
+    parser.add_argument(
+        "--fault",
+        action="append",
+        default=[],
+        metavar="KIND:TARGET@SECONDS",
+        help="inject a fault SECONDS after the start: kill:RANK (SIGKILL), freeze:RANK "
+        "(SIGSTOP) or link:HOST (drop the host's link); repeat for several",
+    )
+    parser.add_argument(
+        "--hang-after",
+        type=float,
+        default=300.0,
+        help="with --fault: a survivor still running this many seconds after the first fault "
+        "counts as hung and is killed (default 300)",
+    )
     return parser
 
 
@@ -87,6 +103,10 @@ def main(argv: list[str]) -> int:
                     f"--straggler rank {rank} does not exist: the world size is "
                     f"{args.hosts * args.procs_per_host}"
                 )
+        faults = [parse_fault(text) for text in args.fault]
+        check_faults(faults, args.hosts, args.hosts * args.procs_per_host)
+        if args.hang_after <= 0:
+            raise ValueError("--hang-after must be > 0 seconds")
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -106,6 +126,8 @@ def main(argv: list[str]) -> int:
                 threads=args.threads,
                 straggler=args.straggler,
                 timeout=args.timeout,
+                faults=faults,
+                hang_after=args.hang_after,
             )
     except ClusterError as error:
         print(f"error: {error}", file=sys.stderr)
@@ -113,6 +135,9 @@ def main(argv: list[str]) -> int:
     except ClusterInterrupted as interrupt:
         print(f"error: {interrupt}; hosts stopped and namespaces removed", file=sys.stderr)
         return 128 + interrupt.signum
+    if faults:
+        for line in fault_report(result.faults, result.ends, result.orphans):
+            print(f"[faults] {line}", file=sys.stderr)
     if result.returncode != 0:
         print(f"error: {result.message}; its last output:", file=sys.stderr)
         for line in result.tail:

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import IO, TextIO
 
+from lightning_parallel.cluster.faults import AppliedFault, Fault, ProcessEnd, check_faults
 from lightning_parallel.cluster.network import Host, SimulatedNetwork
 
 __all__: list[str] = []
@@ -111,6 +112,7 @@ class _Process:
     label: str
     popen: subprocess.Popen[bytes]
     tail: deque[str]
+    end: ProcessEnd
     reader: threading.Thread | None = None
 
 
@@ -124,12 +126,28 @@ class ClusterRun:
         failed: label of the process that ended the run (``"host 1"``), if any.
         tail: last output lines of that process (or of all processes on timeout).
         message: one line describing the outcome.
+        ends: how each process ended, in rank order (exit code, seconds from the start).
+        faults: the faults asked for and when each was applied.
+        orphans: processes left in the hosts' namespaces once every started process had ended.
     """
 
     returncode: int
     failed: str | None = None
     tail: list[str] = field(default_factory=list)
     message: str = "all hosts finished"
+    ends: list[ProcessEnd] = field(default_factory=list)
+    faults: list[AppliedFault] = field(default_factory=list)
+    orphans: list[int] = field(default_factory=list)
+
+    @property
+    def first_fault_s(self) -> float | None:
+        """Seconds from the start to the first applied fault (``None``: none applied)."""
+        applied = [f.applied_s for f in self.faults if f.applied_s is not None]
+        return min(applied) if applied else None
+
+    @property
+    def hung(self) -> list[ProcessEnd]:
+        return [end for end in self.ends if end.hung]
 
 
 def _stream(process: _Process, output: IO[str] | None, lock: threading.Lock) -> None:
@@ -137,6 +155,8 @@ def _stream(process: _Process, output: IO[str] | None, lock: threading.Lock) -> 
     for raw in iter(process.popen.stdout.readline, b""):
         line = raw.decode("utf-8", errors="replace").rstrip("\n")
         process.tail.append(line)
+        if line.strip():
+            process.end.last_line = line.strip()
         if output is not None:
             with lock:
                 output.write(f"[{process.label}] {line}\n")
@@ -180,6 +200,8 @@ def run_on_hosts(
     quiet: bool = False,
     tail_lines: int = 40,
     grace: float = 5.0,
+    faults: Sequence[Fault] = (),
+    hang_after: float | None = None,
 ) -> ClusterRun:
     """Run ``command`` once per process slot of every host and wait for all of them.
 
@@ -196,6 +218,10 @@ def run_on_hosts(
         quiet: do not stream the output, only keep the tails.
         tail_lines: lines of output kept per process for the failure report.
         grace: seconds between SIGTERM and SIGKILL when stopping the other processes.
+        faults: faults to inject (:mod:`lightning_parallel.cluster.faults`); with faults the run
+            waits for every survivor to end by itself instead of stopping at the first failure.
+        hang_after: with faults, seconds after the first fault after which a survivor still
+            running counts as hung and is killed (default: ``timeout``'s deadline only).
 
     Returns:
         A :class:`ClusterRun`; it never hangs on a dead host.
@@ -204,9 +230,11 @@ def run_on_hosts(
         raise ValueError("command is empty; give the program to run on every host")
     if procs_per_host < 1:
         raise ValueError(f"procs_per_host must be >= 1, got {procs_per_host}")
+    check_faults(faults, len(network.hosts), len(network.hosts) * procs_per_host)
     lock = threading.Lock()
     sink = None if quiet else (output if output is not None else sys.stdout)
     processes: list[_Process] = []
+    faulted = {f.target for f in faults if not f.targets_host}
     try:
         for host in network.hosts:
             for local_rank in range(procs_per_host):
@@ -218,6 +246,7 @@ def run_on_hosts(
                     )
                 )
                 label = f"host {host.index}" + (f".{local_rank}" if procs_per_host > 1 else "")
+                rank = host.index * procs_per_host + local_rank
                 popen = subprocess.Popen(
                     network.exec_argv(host, list(command)),
                     env=env,
@@ -226,22 +255,137 @@ def run_on_hosts(
                     stderr=subprocess.STDOUT,
                     start_new_session=True,  # its own process group: killed as a whole
                 )
-                process = _Process(label, popen, deque(maxlen=tail_lines))
+                end = ProcessEnd(label, rank, host.index, faulted=rank in faulted)
+                process = _Process(label, popen, deque(maxlen=tail_lines), end)
                 process.reader = threading.Thread(
                     target=_stream, args=(process, sink, lock), daemon=True
                 )
                 process.reader.start()
                 processes.append(process)
-        return _wait(processes, timeout, grace)
+        if not faults:
+            return _wait(processes, timeout, grace)
+        run = _FaultyRun(network, processes, faults, timeout, hang_after, grace).wait()
+        run.orphans = _orphans(network, processes)
+        return run
     finally:
         _stop(processes, grace)
 
 
+def _orphans(network: SimulatedNetwork, processes: list[_Process]) -> list[int]:
+    """Processes left in the namespaces once every started process ended (none expected)."""
+    _stop(processes, grace=0.0)  # faulted (frozen) processes are killed first
+    started = {p.popen.pid for p in processes}
+    return [pid for host in network.hosts for pid in network.pids(host) if pid not in started]
+
+
+def _record_exit(process: _Process, code: int, now: float) -> None:
+    if process.end.exit_code is None:
+        process.end.exit_code = _exit_code(code)
+        process.end.end_s = now
+
+
+class _FaultyRun:
+    """Apply the faults on time; wait for the survivors to end by themselves (see faults.py)."""
+
+    def __init__(
+        self,
+        network: SimulatedNetwork,
+        processes: list[_Process],
+        faults: Sequence[Fault],
+        timeout: float | None,
+        hang_after: float | None,
+        grace: float,
+    ) -> None:
+        self.network = network
+        self.processes = processes
+        self.pending = sorted((AppliedFault(fault) for fault in faults), key=lambda f: f.fault.at)
+        self.applied: list[AppliedFault] = []
+        self.timeout = timeout
+        self.hang_after = hang_after
+        self.grace = grace
+        self.start = time.monotonic()
+
+    def _apply(self, applied: AppliedFault, now: float) -> None:
+        fault = applied.fault
+        applied.applied_s = now
+        if fault.kind == "link":
+            self.network.set_link(self.network.hosts[fault.target], up=False)
+            return
+        process = next(p for p in self.processes if p.end.rank == fault.target)
+        if process.popen.poll() is not None:
+            applied.note = "the process had already exited"
+            return
+        _signal_group(process, signal.SIGKILL if fault.kind == "kill" else signal.SIGSTOP)
+
+    def wait(self) -> ClusterRun:
+        while True:
+            now = time.monotonic() - self.start
+            while self.pending and self.pending[0].fault.at <= now:
+                applied = self.pending.pop(0)
+                self._apply(applied, now)
+                self.applied.append(applied)
+            for process in self.processes:
+                code = process.popen.poll()
+                if code is not None:
+                    _record_exit(process, code, now)
+            survivors = [p for p in self.processes if not p.end.faulted]
+            failed_early = [
+                p for p in survivors if p.end.exit_code not in (None, 0) and not self.applied
+            ]
+            if failed_early:  # a genuine failure before any fault: as without faults
+                return self._finish(failed_early[0].label, "failed before any fault")
+            if all(p.end.exit_code is not None for p in survivors):
+                return self._finish(None, "")
+            first = self.applied[0].applied_s if self.applied else None
+            if self.hang_after is not None and first is not None and now - first > self.hang_after:
+                for process in survivors:
+                    if process.end.exit_code is None:
+                        process.end.hung = True
+                return self._finish(None, f"hung {self.hang_after:g} s after the fault")
+            if self.timeout is not None and now > self.timeout:
+                for process in survivors:
+                    process.end.hung = process.end.exit_code is None
+                return self._finish(None, f"timed out after {self.timeout:g} s")
+            time.sleep(0.02)
+
+    def _finish(self, failed: str | None, reason: str) -> ClusterRun:
+        for process in self.processes:
+            if process.end.faulted:  # a frozen process ignores SIGTERM: no grace for it
+                _signal_group(process, signal.SIGKILL)
+        _stop(self.processes, self.grace)
+        for process in self.processes:
+            if process.reader is not None:
+                process.reader.join(timeout=2)
+        survivors = [p.end for p in self.processes if not p.end.faulted]
+        hung = [end for end in survivors if end.hung]
+        bad = [end for end in survivors if end.exit_code not in (0, None)]
+        if hung:
+            code, failed = TIMEOUT_EXIT_CODE, hung[0].label
+            message = f"{reason}; still running: {', '.join(end.label for end in hung)}"
+        elif bad:
+            code, failed = bad[0].exit_code or 1, failed or bad[0].label
+            message = reason or f"{len(bad)} of {len(survivors)} surviving processes failed"
+        else:
+            code, message = 0, "every surviving process finished"
+        tail = [f"[{p.label}] {line}" for p in self.processes for line in list(p.tail)[-3:] if line]
+        return ClusterRun(
+            code,
+            failed,
+            tail,
+            message,
+            ends=[p.end for p in self.processes],
+            faults=self.applied + self.pending,
+        )
+
+
 def _wait(processes: list[_Process], timeout: float | None, grace: float) -> ClusterRun:
-    deadline = None if timeout is None else time.monotonic() + timeout
+    start = time.monotonic()
+    deadline = None if timeout is None else start + timeout
     while True:
         for process in processes:
             code = process.popen.poll()
+            if code is not None:
+                _record_exit(process, code, time.monotonic() - start)
             if code is not None and code != 0:
                 _stop([p for p in processes if p is not process], grace)
                 if process.reader is not None:
@@ -251,9 +395,10 @@ def _wait(processes: list[_Process], timeout: float | None, grace: float) -> Clu
                     process.label,
                     list(process.tail),
                     f"{process.label} exited with code {_exit_code(code)}; the run was stopped",
+                    ends=[p.end for p in processes],
                 )
         if all(p.popen.returncode is not None for p in processes):
-            return ClusterRun(0)
+            return ClusterRun(0, ends=[p.end for p in processes])
         if deadline is not None and time.monotonic() > deadline:
             running = [p.label for p in processes if p.popen.poll() is None]
             _stop(processes, grace)
@@ -263,5 +408,6 @@ def _wait(processes: list[_Process], timeout: float | None, grace: float) -> Clu
                 running[0] if running else None,
                 tail,
                 f"timed out after {timeout:g} s; still running: {', '.join(running)}",
+                ends=[p.end for p in processes],
             )
         time.sleep(0.05)

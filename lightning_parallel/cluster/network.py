@@ -348,6 +348,15 @@ class SimulatedNetwork:
             raise ClusterError("the network is not created; use it as `with SimulatedNetwork(...)`")
         return [self._ip, "netns", "exec", host.namespace, *argv]
 
+    def set_link(self, host: Host, up: bool) -> None:
+        """Bring ``host``'s link down (no packet leaves or reaches it) or up again."""
+        self._ip_run("link", "set", host.bridge_port, "up" if up else "down")
+
+    def pids(self, host: Host) -> list[int]:
+        """Processes that run inside ``host``'s namespace now."""
+        listed = _run([self._ip, "netns", "pids", host.namespace], check=False).stdout.split()
+        return [int(pid) for pid in listed if pid.isdigit()]
+
     def tx_bytes(self, host: Host) -> int:
         """Bytes ``host`` has sent so far (its bridge port's receive counter, root namespace)."""
         path = f"/sys/class/net/{host.bridge_port}/statistics/rx_bytes"

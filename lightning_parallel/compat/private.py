@@ -305,8 +305,13 @@ def fit_loop_data(trainer: Any) -> tuple[Any, Any]:
     return loop._combined_loader, loop._data_fetcher
 
 
-def replace_sigterm_broadcast(trainer: Any, check: Callable[[], None]) -> Callable[[], None]:
+def replace_sigterm_broadcast(
+    trainer: Any, check: Callable[[], None], keep_existing: bool = False
+) -> Callable[[], None]:
     """Make the epoch loop call ``check`` instead of broadcasting rank 0's SIGTERM flag.
+
+    Args:
+        keep_existing: leave a replacement already in place (a strategy's own) as it is.
 
     Returns:
         A function that restores Lightning's broadcast.
@@ -314,6 +319,8 @@ def replace_sigterm_broadcast(trainer: Any, check: Callable[[], None]) -> Callab
     epoch_loop = trainer.fit_loop.epoch_loop
     if not hasattr(epoch_loop, "_broadcast_sigterm_tensor"):
         return lambda: None  # an older Lightning: each rank already checks its own signal
+    if keep_existing and "_broadcast_sigterm_tensor" in vars(epoch_loop):
+        return lambda: None
     epoch_loop._broadcast_sigterm_tensor = check
     return lambda: epoch_loop.__dict__.pop("_broadcast_sigterm_tensor", None)
 

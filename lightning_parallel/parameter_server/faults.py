@@ -69,7 +69,13 @@ class Heartbeat:
         while not self._stop.wait(self._interval):
             try:
                 self._store.add(_key(self._rank), 1)
-            except Exception:  # the store's host is gone: the run is failing anyway
+            except Exception as error:  # the store's host is gone: the run is failing anyway
+                log.warning(
+                    "rank %d: parameter-server heartbeat stopped, the store does not answer "
+                    "(rank 0's host failed or this host lost its link): %s",
+                    self._rank,
+                    error,
+                )
                 return
 
     def stop(self) -> None:
@@ -113,7 +119,13 @@ class Watchdog:
                     continue
                 try:
                     count = int(self._store.add(_key(rank), 0))
-                except Exception:
+                except Exception as error:
+                    log.warning(
+                        "parameter-server watchdog stopped, the store does not answer (rank 0's "
+                        "host failed or this host lost its link); collectives still end after "
+                        "the run's timeout: %s",
+                        error,
+                    )
                     return
                 last = self._seen.get(rank)
                 if last is None or count != last[0]:

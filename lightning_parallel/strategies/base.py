@@ -17,30 +17,53 @@ package shares, written once:
    else are recognised the same way for every strategy.
 4. **world-size checks** (:meth:`check_world_size`): run when the ``Trainer`` is built, before
    any process starts, so ``GroPipeStrategy(stages=3)`` on 2 devices fails in ``Trainer(...)``.
+5. **a failure names the lost peer**: every rank keeps a heartbeat in the rendezvous store and
+   records what it is doing (:mod:`lightning_parallel.comm.liveness`); when a collective fails
+   (a peer killed: at once; frozen or cut off: after ``timeout``), :meth:`on_exception` finds
+   the ranks whose heartbeat stopped, logs one line naming them, their last activity and this
+   rank's, and adds it to the exception as a note (shown under the traceback). Lightning's
+   per-step broadcast of rank 0's SIGTERM flag swallows a failed broadcast and goes on to wait
+   a second ``timeout`` in the next collective; here that broadcast raises instead.
 """
 
 from __future__ import annotations
 
 import inspect
+import logging
 import os
+from collections.abc import Callable
+from contextlib import suppress
 from datetime import timedelta
 from typing import Any, ClassVar
 
+import pytorch_lightning as pl
+import torch
+import torch.distributed as dist
 from pytorch_lightning.strategies import DDPStrategy
+from pytorch_lightning.utilities.exceptions import SIGTERMException
 from torch.distributed.constants import default_pg_timeout
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_parallel.comm.groups import set_group_timeout
+from lightning_parallel.comm.liveness import (
+    Liveness,
+    default_store,
+    is_communication_error,
+    set_activity,
+)
 from lightning_parallel.compat import check
 from lightning_parallel.compat.private import (
     check_start_method,
     make_launcher,
+    replace_sigterm_broadcast,
     set_launcher,
     start_method,
 )
 
 __all__ = ["ParallelStrategyBase", "as_timeout"]
+
+log = logging.getLogger(__name__)
 
 # Lightning's ParallelStrategy/DDPStrategy arguments that every strategy here passes through
 LIGHTNING_ARGUMENTS = (
@@ -114,6 +137,8 @@ class ParallelStrategyBase(DDPStrategy):
             timeout=self.collective_timeout,
             **kwargs,
         )
+        self._liveness: Liveness | None = None
+        self._restore_sigterm: Callable[[], None] | None = None
 
     @classmethod
     def _pass_through_keywords(cls) -> set[str]:
@@ -145,6 +170,10 @@ class ParallelStrategyBase(DDPStrategy):
         assert environment is not None
         if not environment.creates_processes_externally:
             return False
+        if dist.is_available() and dist.is_initialized():
+            # a later Trainer in a process that already joined the run (Lightning's teardown
+            # removes WORLD_SIZE from the environment)
+            return True
         if type(environment).__name__ == "LightningEnvironment":
             # Lightning's own launchers leave LOCAL_RANK behind in the process that ran them;
             # an outside launcher also exports WORLD_SIZE for the whole run
@@ -167,6 +196,106 @@ class ParallelStrategyBase(DDPStrategy):
     def setup_environment(self) -> None:
         set_group_timeout(self.collective_timeout)
         super().setup_environment()
+        self._start_liveness()
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        module = self._lightning_module
+        trainer = getattr(module, "_trainer", None) if module is not None else None
+        if trainer is not None and self.world_size > 1 and self._restore_sigterm is None:
+            self._restore_sigterm = replace_sigterm_broadcast(
+                trainer, _sigterm_broadcast(trainer), keep_existing=True
+            )
+
+    # -- failures ----------------------------------------------------------------------------
+
+    def _start_liveness(self) -> None:
+        if self._liveness is not None or self.world_size < 2 or not dist.is_initialized():
+            return
+        store = default_store()
+        if store is not None:
+            self._liveness = Liveness(store, self.global_rank, self.world_size)
+
+    def set_activity(self, what: str) -> None:
+        """Record what this rank does now, prefixed with the step (shown if a peer fails)."""
+        module = self._lightning_module
+        trainer = getattr(module, "_trainer", None) if module is not None else None
+        step = trainer.global_step if trainer is not None else 0
+        set_activity(f"step {step}: {what}")
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        super().on_exception(exception)
+        liveness = self._liveness
+        if liveness is None or not is_communication_error(exception):
+            return
+        message = f"[lightning_parallel] {liveness.diagnose().text}"
+        log.error(message)
+        if any(note.startswith("[lightning_parallel]") for note in _notes(exception)):
+            return
+        add_note = getattr(exception, "add_note", None)  # Python 3.11+
+        if add_note is not None:
+            add_note(message)
+        else:
+            exception.__notes__ = [*_notes(exception), message]  # type: ignore[attr-defined]
+
+    @override
+    def teardown(self) -> None:
+        liveness, self._liveness = self._liveness, None
+        if liveness is not None:
+            liveness.stop()
+        restore, self._restore_sigterm = self._restore_sigterm, None
+        if restore is not None:
+            restore()
+        super().teardown()
+
+    # -- what each rank is doing (the activity a failure reports) ------------------------------
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        self.set_activity("forward (training_step)")
+        return super().training_step(*args, **kwargs)
+
+    @override
+    def backward(self, closure_loss: Any, *args: Any, **kwargs: Any) -> Any:
+        self.set_activity("backward" + (" and gradient all-reduce" if self.wraps_in_ddp else ""))
+        return super().backward(closure_loss, *args, **kwargs)
+
+    @override
+    def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
+        self.set_activity("optimizer step")
+        return super().optimizer_step(*args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        self.set_activity("validation")
+        return super().validation_step(*args, **kwargs)
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        self.set_activity(f"barrier {name or ''}".rstrip())
+        super().barrier(name)
+
+
+def _sigterm_broadcast(trainer: pl.Trainer) -> Callable[[], None]:
+    """Lightning's per-step broadcast of rank 0's SIGTERM flag, except that a failed broadcast
+    raises (a lost peer) instead of reading as "no SIGTERM" and waiting again elsewhere."""
+
+    def broadcast() -> None:
+        received = 1 if getattr(trainer, "received_sigterm", False) else 0
+        flag = torch.tensor([received], device=trainer.strategy.root_device)
+        dist.broadcast(flag, src=0)
+        if flag.item() == 1:
+            with suppress(Exception):
+                dist.barrier()  # every rank leaves together, as Lightning's does
+            raise SIGTERMException()
+
+    return broadcast
+
+
+def _notes(exception: BaseException) -> list[str]:
+    return list(getattr(exception, "__notes__", []))
 
 
 def _ddp_keywords() -> set[str]:

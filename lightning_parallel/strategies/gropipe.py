@@ -573,6 +573,7 @@ class GroPipeStrategy(ParallelStrategyBase):
         assert module is not None
         trainer = module.trainer
         batch, hook_args = args[0], args[1:]
+        self.set_activity(f"pipeline schedule (stage {self.stage_index} of {self.stages})")
         micro = split_microbatches(batch, self.micro_batches)
         sizes = [batch_size(part) for part in micro]
         total = sum(sizes)

@@ -315,6 +315,7 @@ class ModelAveragingStrategy(ParallelStrategyBase):
         super().on_train_batch_start(batch, batch_idx)
         self._stepped_this_batch = False
         if self.averaging is not None:
+            self.set_activity("model averaging round (all-reduce of the replicas)")
             self.averaging.synchronize()
 
     @override

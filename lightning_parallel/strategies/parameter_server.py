@@ -345,6 +345,7 @@ class ParameterServerStrategy(ParallelStrategyBase):
                 return loss  # the batch went to a faster worker: nothing to push
             has_gradient = any(p.grad is not None for p in runtime.parameters)
             drain = bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
+            self.set_activity("push of the gradient to the server, pull of its weights")
             runtime.client.step(has_gradient, drain=drain)
             self._after_exchange(trainer, drained=drain)
             return loss

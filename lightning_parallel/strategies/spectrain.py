@@ -425,6 +425,7 @@ class SpecTrainStrategy(GroPipeStrategy):
         assert module is not None
         trainer = module.trainer
         batch, hook_args = args[0], args[1:]
+        self.set_activity(f"no-flush pipeline (stage {self.stage_index} of {self.stages})")
         micro = split_microbatches(batch, self.micro_batches)
         sizes = [batch_size(part) for part in micro]
         total, count = sum(sizes), len(micro)

@@ -152,3 +152,22 @@ def test_the_strategy_sets_its_timeout_for_the_groups_it_creates(cls) -> None:
     )
     trainer.fit(model, datamodule=data)
     assert trainer.state.finished
+
+
+def test_a_later_trainer_in_a_process_that_joined_the_run_is_launched_externally(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Lightning's teardown removes WORLD_SIZE; a second Trainer in a process started by torchrun
+    # or the simulated cluster must not start processes of its own
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        trainer = Trainer(accelerator="cpu", devices=1, strategy=ModelAveragingStrategy(), **QUIET)
+        strategy = trainer.strategy
+        assert isinstance(strategy, ParallelStrategyBase) and strategy.launched_externally()
+    finally:
+        dist.destroy_process_group()
+    trainer = Trainer(accelerator="cpu", devices=1, strategy=ModelAveragingStrategy(), **QUIET)
+    assert not trainer.strategy.launched_externally()  # type: ignore[attr-defined]
