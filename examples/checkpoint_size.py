@@ -1,10 +1,12 @@
-"""Checkpoint size and exact resume at W processes, for model averaging or the parameter server.
+"""Model-averaging checkpoint size and exact resume at W processes on one or several hosts.
 
 Trains the demo ``vgg_mini`` (12.9M parameters) on synthetic images, three times on the same
 processes:
 
 1. ``--steps`` steps straight (the reference);
-2. ``--save-at`` steps (mid-round for ``period=4``), saving a checkpoint there;
+2. ``--save-at`` steps (the end of the first epoch of 5 steps: mid-round for ``period=4``;
+   Lightning restarts an interrupted epoch from its first batch, so an exact resume needs an
+   epoch boundary), saving a checkpoint there;
 3. a new ``Trainer`` resumed from that checkpoint to ``--steps``;
 
 then prints the size of the checkpoint file and of the per-rank replica files, and whether every
@@ -31,9 +33,7 @@ import lightning_parallel
 from lightning_parallel.demo import build_datamodule, build_model
 
 
-def _strategy(name: str) -> Any:
-    if name == "parameter_server":
-        return lightning_parallel.ParameterServerStrategy()
+def _strategy() -> Any:
     return lightning_parallel.ModelAveragingStrategy(period=4)
 
 
@@ -41,16 +41,14 @@ def _fit(args: argparse.Namespace, steps: int, **options: Any) -> pl.Trainer:
     devices, world = args.devices, args.world
     nodes = world // devices
     pl.seed_everything(0, verbose=False)
-    data = build_datamodule(
-        "synthetic", batch_size=8, num_samples=8 * world * args.steps, image_size=32
-    )
+    data = build_datamodule("synthetic", batch_size=8, num_samples=8 * world * 5, image_size=32)
     model = build_model("vgg_mini", data)
     ckpt_path = options.pop("ckpt_path", None)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=devices,
         num_nodes=nodes,
-        strategy=_strategy(args.strategy),
+        strategy=_strategy(),
         max_steps=steps,
         limit_val_batches=0,
         logger=False,
@@ -71,10 +69,8 @@ def _fit(args: argparse.Namespace, steps: int, **options: Any) -> pl.Trainer:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("directory", type=Path)
-    parser.add_argument("--strategy", default="model_averaging",
-                        choices=["model_averaging", "parameter_server"])  # fmt: skip
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--save-at", type=int, default=6)
+    parser.add_argument("--save-at", type=int, default=5)
     args = parser.parse_args()
     # read once: Lightning's teardown removes WORLD_SIZE from the environment
     args.devices = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
@@ -96,7 +92,7 @@ def main() -> None:
         main_bytes = (args.directory / "mid.ckpt").stat().st_size
         replicas = sorted(args.directory.rglob("rank*.pt"))
         print(
-            f"{resumed.world_size} processes ({args.strategy}): checkpoint "
+            f"{resumed.world_size} processes: checkpoint "
             f"{main_bytes / 1e6:.1f} MB, replica files "
             f"{sum(p.stat().st_size for p in replicas) / 1e6:.1f} MB in {len(replicas)} files"
         )

@@ -3,8 +3,11 @@
 For each family (a SPEC and the rank the faults target) and each fault kind, one benchmark run
 (:func:`lightning_parallel.bench.run_benchmark`) trains ``mlp`` on digits with
 ``timeout=TIMEOUT`` and injects ``KIND:TARGET@AT``; the table gives, for every surviving rank,
-the seconds from the fault to its exit, whether that is within ``timeout + 30`` s, hangs and
-orphaned processes. Needs root (network namespaces)::
+the seconds from the fault to its exit (or ``went on``: it finished the run without the lost
+rank, as the parameter server does without a worker), whether every survivor is within
+``timeout + 30`` s, hangs and orphaned processes. Runs that end on the fault are given 100,000
+steps; the parameter server's, which go on, 3,000 (a minute of training), so that they end.
+Needs root (network namespaces)::
 
     python examples/fault_table.py --json fault_table.json
 """
@@ -19,14 +22,15 @@ from typing import Any
 
 from lightning_parallel.bench import BenchConfig, run_benchmark
 
-# (family, SPEC without timeout, rank the faults target: link faults cut that rank's host)
+# (family, SPEC without timeout, rank the faults target: link faults cut that rank's host,
+# max_steps)
 FAMILIES = [
-    ("ddp-based + Hylo", "hylo", 1),
-    ("model averaging", "model_averaging:period=4", 1),
-    ("parameter server: worker", "parameter_server", 1),
-    ("parameter server: server host", "parameter_server", 0),
-    ("gropipe", "gropipe:stages=2", 1),
-    ("spectrain", "spectrain:stages=2", 1),
+    ("ddp-based + Hylo", "hylo", 1, 100_000),
+    ("model averaging", "model_averaging:period=4", 1, 100_000),
+    ("parameter server: worker", "parameter_server", 1, 3_000),
+    ("parameter server: server host", "parameter_server", 0, 3_000),
+    ("gropipe", "gropipe:stages=2", 1, 100_000),
+    ("spectrain", "spectrain:stages=2", 1, 100_000),
 ]
 KINDS = ("kill", "freeze", "link")
 
@@ -40,6 +44,7 @@ def _row(family: str, kind: str, run: dict[str, Any]) -> dict[str, Any]:
         "fault": ", ".join(f["fault"] for f in extra.get("faults", [])),
         "kind": kind,
         "after_fault_s": [r["after_fault_s"] for r in survivors],
+        "went_on": [r["went_on"] for r in survivors],
         "exit_codes": [r["exit_code"] for r in survivors],
         "hung": len(extra.get("hung", [])),
         "orphans": extra.get("orphans"),
@@ -47,6 +52,14 @@ def _row(family: str, kind: str, run: dict[str, Any]) -> dict[str, Any]:
         "ok": run["ok"],
         "error": run["error"],
     }
+
+
+def _survivors(row: dict[str, Any]) -> str:
+    """Each survivor: seconds from the fault to its exit, or that it went on and finished."""
+    return ", ".join(
+        "went on" if went_on else ("-" if after is None else f"{after:.1f}")
+        for after, went_on in zip(row["after_fault_s"], row["went_on"])
+    )
 
 
 def main() -> int:
@@ -58,20 +71,20 @@ def main() -> int:
     parser.add_argument("--kind", action="append", default=None, choices=KINDS)
     args = parser.parse_args()
     rows = []
-    for family, spec, target in FAMILIES:
+    for family, spec, target, max_steps in FAMILIES:
         if args.family and spec not in args.family:
             continue
         for kind in args.kind or KINDS:
             fault = f"{kind}:{target}@{args.at:g}"
             config = BenchConfig(
-                hosts=2, model="mlp", data="digits", max_steps=100_000, faults=[fault]
+                hosts=2, model="mlp", data="digits", max_steps=max_steps, faults=[fault]
             )
             config.timeout = args.timeout + args.at + 600.0
             timed = spec + ("," if ":" in spec else ":") + f"timeout={args.timeout}"
             result = run_benchmark([timed], config)
             row = _row(family, kind, result["runs"][0])
             rows.append(row)
-            after = ", ".join("-" if a is None else f"{a:.1f}" for a in row["after_fault_s"])
+            after = _survivors(row)
             print(
                 f"{family:32s} {fault:12s} survivors ended after {after} s; hung {row['hung']}, "
                 f"orphans {row['orphans']}, within timeout+30: {row['within_bar']}",
@@ -84,7 +97,7 @@ def main() -> int:
     )
     print("| --- | --- | --- | --- | --- | --- |")
     for row in rows:
-        after = ", ".join("-" if a is None else f"{a:.1f}" for a in row["after_fault_s"])
+        after = _survivors(row)
         print(
             f"| {row['family']} | `{row['fault']}` | {after} | "
             f"{'yes' if row['within_bar'] else 'NO'} | {row['hung']} | {row['orphans']} |"

@@ -221,12 +221,17 @@ def _worker_command(spec: str, config: BenchConfig, output: Path) -> list[str]:
         command += ["--max-steps", str(config.max_steps)]
     else:
         command += ["--epochs", str(config.epochs)]
+    if config.faults:
+        command += ["--progress-every", str(PROGRESS_EVERY_S)]
     return command
 
 
-# seconds past the strategy's timeout after which a survivor of a fault counts as hung: the
-# bar is timeout + 30 s; waiting 30 s more shows by how much a late rank misses it
+# seconds of silence past the strategy's timeout after which a survivor of a fault counts as
+# hung: the bar is timeout + 30 s; waiting 30 s more shows by how much a late rank misses it
 HANG_MARGIN_S = 60.0
+# with faults, each rank prints a progress line this often: a rank that goes on without the
+# lost one is seen to work
+PROGRESS_EVERY_S = 10.0
 
 
 def spec_timeout_s(spec: str) -> float:
@@ -245,6 +250,7 @@ def _rank_outcome(
         error = record.get("error")
     elif end.exit_code not in (0, None):
         error = end.last_line or None
+    went_on = end.exit_code == 0 and record is not None and bool(record.get("ok"))
     return {
         "rank": end.rank,
         "host": end.host,
@@ -253,6 +259,8 @@ def _rank_outcome(
         "end_s": end.end_s,
         "after_fault_s": end.after_fault(first_fault),
         "hung": end.hung,
+        # finished its run without the faulted rank (a strategy that goes on)
+        "went_on": went_on and not end.faulted,
         "error": error,
     }
 
@@ -262,15 +270,20 @@ def fault_outcome(
 ) -> dict[str, Any]:
     """What every rank did after the faults: the ``extra`` keys of a run with ``--fault``.
 
-    ``survivors_within_bar``: every process no fault targeted ended (or finished) within
-    ``timeout_s + 30`` s of the first fault, none hung, none orphaned.
+    ``survivors_within_bar``: every process no fault targeted either ended within
+    ``timeout_s + 30`` s of the first fault or went on and finished its run; none hung, none
+    orphaned.
     """
     by_rank = {int(r["rank"]): r for r in records}
     first = result.first_fault_s
     ranks = [_rank_outcome(end, first, by_rank.get(end.rank)) for end in result.ends]
     survivors = [r for r in ranks if not r["faulted"]]
     within = all(
-        not r["hung"] and r["after_fault_s"] is not None and r["after_fault_s"] <= timeout_s + 30
+        not r["hung"]
+        and (
+            r["went_on"]
+            or (r["after_fault_s"] is not None and r["after_fault_s"] <= timeout_s + 30)
+        )
         for r in survivors
     )
     return {
@@ -346,14 +359,12 @@ def run_spec(spec: str, config: BenchConfig, log_dir: Path) -> dict[str, Any]:
         outcome = fault_outcome(result, records, timeout_s)
         ended = [r["end_s"] for r in outcome["ranks"] if not r["faulted"] and r["end_s"]]
         finished = [r for r in records if r.get("ok")]
-        if (
-            outcome["survivors_within_bar"]
-            and len(finished) == sum(not r["faulted"] for r in outcome["ranks"])
-            and all(r["exit_code"] == 0 for r in outcome["ranks"] if not r["faulted"])
+        if outcome["survivors_within_bar"] and all(
+            r["went_on"] for r in outcome["ranks"] if not r["faulted"]
         ):
             # the strategy went on without the faulted ranks and finished
             run = summarize(spec, name, finished, config)
-            run["extra"].update(extra, outcome, latency_emulated=latency_emulated)
+            run["extra"].update(extra, **outcome, latency_emulated=latency_emulated)
             return run
         failed = _failed(spec, name, config.world_size, _fault_error(outcome), **extra, **outcome)
         failed["wall_s"] = max(ended) if ended else None

@@ -46,6 +46,13 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", required=True, type=Path)
+    parser.add_argument(
+        "--progress-every",
+        type=float,
+        default=None,
+        help="print a progress line every this many seconds of training (fault runs: a rank "
+        "that goes on without a lost peer is then not taken for hung)",
+    )
     return parser
 
 
@@ -65,7 +72,7 @@ def _skipped_batches(trainer: Any) -> int:
     return int(getattr(trainer.strategy, "skipped_batches", 0))
 
 
-def _make_probe(interface: str | None) -> Any:
+def _make_probe(interface: str | None, progress_every: float | None = None) -> Any:
     """The callback that measures steps, validations and the interface counter."""
     import pytorch_lightning as pl
     from pytorch_lightning.trainer.states import TrainerFn
@@ -83,6 +90,7 @@ def _make_probe(interface: str | None) -> Any:
             self._previous_end: float | None = None
             self._validation_start = 0.0
             self._skipped_before = 0
+            self._printed = time.perf_counter()
 
         def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
             self.tx_start = _tx_bytes(interface)
@@ -111,6 +119,10 @@ def _make_probe(interface: str | None) -> Any:
         ) -> None:
             self._previous_end = time.perf_counter()
             self.step_seconds.append(self._previous_end - self._batch_start)
+            if progress_every is not None and self._previous_end - self._printed > progress_every:
+                self._printed = self._previous_end
+                rank, step = trainer.global_rank, trainer.global_step
+                print(f"[progress] rank {rank} step {step}", flush=True)
             # a batch the strategy did not train (the parameter server's epoch tail: its grant
             # went to a faster worker) keeps its time but adds no samples
             if _skipped_batches(trainer) == self._skipped_before:
@@ -175,7 +187,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     model = build_model(model_spec.name, data=datamodule, **model_spec.options)
     strategy = build_strategy(args.spec)
     stats = CommStats(log=False)
-    probe = _make_probe(interface)
+    probe = _make_probe(interface, args.progress_every)
     straggler = Straggler.from_env()
     # the straggler sleeps in on_train_batch_end before the probe reads the clock
     callbacks: list[pl.Callback] = [stats, *([straggler] if straggler else []), probe]

@@ -15,9 +15,11 @@ start (:func:`parse_fault`):
 How the run ends when faults are given (:func:`lightning_parallel.cluster.run_on_hosts`):
 a process that a ``kill`` or ``freeze`` targets is *faulted*; every other process (those of a
 cut-off host included) is a *survivor* and must end on its own. The run waits until every
-survivor has exited, or until ``hang_after`` seconds after the first fault, when the survivors
-still running count as *hung* and are killed. A survivor that fails before any fault happened
-ends the run as without faults. What each process did and when is kept in
+survivor has exited; a survivor still running that has been silent (no output line) for
+``hang_after`` seconds since the first fault counts as *hung*, and the run is ended. A survivor
+that goes on without the lost rank and keeps printing (the benchmark's worker prints a progress
+line every few seconds when faults are injected) is not hung. A survivor that fails before any
+fault happened ends the run as without faults. What each process did and when is kept in
 :class:`ProcessEnd` records.
 """
 
@@ -115,7 +117,8 @@ class ProcessEnd:
         faulted: a ``kill``/``freeze`` fault targeted it.
         exit_code: its exit code (``128 + signal`` when a signal ended it); ``None`` while it ran.
         end_s: seconds from the start to its exit (``None``: it did not exit by itself).
-        hung: it was still running ``hang_after`` seconds after the first fault and was killed.
+        hung: it was still running, silent for ``hang_after`` seconds after the first fault,
+            and was killed.
         last_line: its last non-empty output line.
     """
 

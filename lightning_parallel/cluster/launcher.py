@@ -114,6 +114,7 @@ class _Process:
     tail: deque[str]
     end: ProcessEnd
     reader: threading.Thread | None = None
+    last_output: float = field(default_factory=time.monotonic)  # when it last printed a line
 
 
 @dataclass
@@ -154,6 +155,7 @@ def _stream(process: _Process, output: IO[str] | None, lock: threading.Lock) -> 
     assert process.popen.stdout is not None
     for raw in iter(process.popen.stdout.readline, b""):
         line = raw.decode("utf-8", errors="replace").rstrip("\n")
+        process.last_output = time.monotonic()
         process.tail.append(line)
         if line.strip():
             process.end.last_line = line.strip()
@@ -220,8 +222,9 @@ def run_on_hosts(
         grace: seconds between SIGTERM and SIGKILL when stopping the other processes.
         faults: faults to inject (:mod:`lightning_parallel.cluster.faults`); with faults the run
             waits for every survivor to end by itself instead of stopping at the first failure.
-        hang_after: with faults, seconds after the first fault after which a survivor still
-            running counts as hung and is killed (default: ``timeout``'s deadline only).
+        hang_after: with faults, a survivor still running that has printed nothing for this
+            many seconds since the first fault counts as hung, and the run is ended (default:
+            ``timeout``'s deadline only).
 
     Returns:
         A :class:`ClusterRun`; it never hangs on a dead host.
@@ -338,10 +341,16 @@ class _FaultyRun:
                 return self._finish(None, "")
             first = self.applied[0].applied_s if self.applied else None
             if self.hang_after is not None and first is not None and now - first > self.hang_after:
-                for process in survivors:
-                    if process.end.exit_code is None:
+                silent = [
+                    process
+                    for process in survivors
+                    if process.end.exit_code is None
+                    and time.monotonic() - process.last_output > self.hang_after
+                ]
+                if silent:
+                    for process in silent:
                         process.end.hung = True
-                return self._finish(None, f"hung {self.hang_after:g} s after the fault")
+                    return self._finish(None, f"silent {self.hang_after:g} s after the fault: hung")
             if self.timeout is not None and now > self.timeout:
                 for process in survivors:
                     process.end.hung = process.end.exit_code is None

@@ -39,6 +39,7 @@ def new_group(
     ranks: Sequence[int] | None = None,
     backend: str | None = None,
     timeout: timedelta | None = None,
+    members_only: bool = False,
 ) -> Any:
     """``torch.distributed.new_group`` with the run's timeout (collective: every rank calls it).
 
@@ -47,9 +48,12 @@ def new_group(
         backend: ``"gloo"`` for a CPU side group next to an NCCL default group; ``None``: the
             default group's backend.
         timeout: overrides :func:`group_timeout` for this group.
+        members_only: only the members of ``ranks`` call it (torch's
+            ``use_local_synchronization``): for a group of survivors, when other ranks are gone.
     """
     return dist.new_group(
         ranks=None if ranks is None else sorted(ranks),
         backend=backend,
         timeout=timeout if timeout is not None else group_timeout(),
+        use_local_synchronization=members_only,
     )

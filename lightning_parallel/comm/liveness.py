@@ -135,10 +135,11 @@ class Liveness:
             if self._stop.wait(self.interval):
                 return
 
-    def stop(self) -> None:
-        """Stop the heartbeat (a thread blocked on a frozen store is left to die with us)."""
+    def stop(self, wait: bool = True) -> None:
+        """Stop the heartbeat; ``wait=False`` (after a failure) does not wait for its thread,
+        which may be blocked on a frozen store and dies with the process."""
         self._stop.set()
-        if self._thread is not threading.current_thread():
+        if wait and self._thread is not threading.current_thread():
             self._thread.join(timeout=self.interval + 1.0)
 
     def _counts(self) -> dict[int, int]:
@@ -164,9 +165,12 @@ class Liveness:
         """Find the ranks that stopped (see the module doc); returns within ``wait + 3`` s."""
         wait = 3.0 * self.interval if wait is None else wait
         result: dict[str, object] = {}
-        sampler = threading.Thread(target=self._sample, args=(wait, result), daemon=True)
-        sampler.start()
-        sampler.join(timeout=wait + 3.0)  # a healthy store answers in milliseconds
+        if time.monotonic() - self.last_answer < wait:
+            sampler = threading.Thread(target=self._sample, args=(wait, result), daemon=True)
+            sampler.start()
+            sampler.join(timeout=wait + 3.0)  # a healthy store answers in milliseconds
+        # else: the store has not answered this rank's own heartbeat for longer than the
+        # sampling would wait; asking it again would only wait more
         doing = activity()
         if "silent" in result:
             silent: dict[int, str] = result["silent"]  # type: ignore[assignment]

@@ -207,6 +207,16 @@ class EpochBudget:
             flags |= ReplyFlag.RUN_OVER
         return flags
 
+    def forget(self, worker: int) -> None:
+        """``worker`` was lost: its spare batches go back to the pool for the others, and it
+        no longer counts as a worker of the epoch (the batch it was computing is lost)."""
+        spare = self._spare.pop(worker, 0)
+        if spare:
+            self._refund(worker, spare)
+        self._stolen.pop(worker, None)
+        self._retired.add(worker)
+        self._interval.pop(worker, None)
+
     def close_epoch(self) -> None:
         """Every worker drained: the next ``begin`` opens a new epoch."""
         self.epoch_open = False

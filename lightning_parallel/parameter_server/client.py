@@ -138,6 +138,8 @@ class ParameterClient:
         self.in_epoch = False
         self.steps_this_epoch = 0
         self.epochs_drained = 0
+        #: workers the server went on without, as of shard 0's last reply
+        self.lost = 0
         # telemetry
         self.staleness: Counter[int] = Counter()
         self.dropped = 0
@@ -366,6 +368,13 @@ class ParameterClient:
 
     def _accept(self, kind: RequestKind, replies: dict[int, Reply]) -> None:
         for reply in replies.values():
+            if reply.kind == ReplyKind.ABORT and reply.failed_rank == self.rank:
+                raise WorkerFailure(
+                    f"parameter server: this worker (rank {self.rank}) was silent or unreachable "
+                    "for longer than heartbeat_timeout and the others went on without it; it "
+                    "stops",
+                    rank=self.rank,
+                )
             if reply.kind == ReplyKind.ABORT:
                 reason = reply.reason or FAILURE_TEXT[reply.failure]
                 raise WorkerFailure(
@@ -379,6 +388,7 @@ class ParameterClient:
                 copy_flat_to(reply.weights, self.parameters[first:stop])
                 self.read_versions[shard] = reply.version
             if shard == 0:
+                self.lost = max(self.lost, reply.lost)
                 self.allowance += reply.granted
                 if self.allowance < 0:
                     raise RuntimeError(

@@ -78,9 +78,11 @@ class Heartbeat:
                 )
                 return
 
-    def stop(self) -> None:
+    def stop(self, wait: bool = True) -> None:
+        """Stop the thread; ``wait=False`` (after a failure) leaves it to die with the process
+        (it may be blocked on a store whose host is gone)."""
         self._stop.set()
-        if self._thread is not threading.current_thread():
+        if wait and self._thread is not threading.current_thread():
             self._thread.join(timeout=5.0)
 
 
@@ -134,7 +136,9 @@ class Watchdog:
                     self._reported.add(rank)
                     self._on_silent(rank, now - last[1])
 
-    def stop(self) -> None:
+    def stop(self, wait: bool = True) -> None:
+        """Stop the thread; ``wait=False`` (after a failure) leaves it to die with the process
+        (it may be blocked on a store whose host is gone)."""
         self._stop.set()
-        if self._thread is not threading.current_thread():
+        if wait and self._thread is not threading.current_thread():
             self._thread.join(timeout=5.0)

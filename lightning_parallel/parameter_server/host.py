@@ -23,7 +23,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch.distributed import ProcessGroup
@@ -63,6 +63,8 @@ class ShardHost:
         workers: global ranks of all workers.
         group: the parameter-server process group (gloo, separate from Lightning's).
         wire_dtype: dtype gradients arrive in and weights leave in (``None``: the shard's).
+        on_lost: called (with the lock held, before any reply goes out) with the rank and the
+            reason when the server loses a worker; the runtime publishes it there.
     """
 
     def __init__(
@@ -73,8 +75,10 @@ class ShardHost:
         workers: Sequence[int],
         group: ProcessGroup,
         wire_dtype: torch.dtype | None = None,
+        on_lost: Callable[[int, str], None] | None = None,
     ) -> None:
         self.server = server
+        self.on_lost = on_lost
         self.wire_dtype = wire_dtype if wire_dtype != server.weights.dtype else None
         self.shard = shard
         self.rank = rank
@@ -138,10 +142,23 @@ class ShardHost:
     def fail(
         self, worker: int, reason: str, kind: FailureKind = FailureKind.CONNECTION_LOST
     ) -> None:
-        """Declare ``worker`` failed: every waiting worker gets ``ABORT``."""
+        """Declare ``worker`` failed: lost (the others go on) or, if the run cannot go on
+        without it, every waiting worker gets ``ABORT`` (:meth:`ShardServer.fail`)."""
         with self._lock:
+            lost = len(self.server.lost)
             replies = self.server.fail(worker, reason, kind)
-            if replies:
+            if len(self.server.lost) > lost:
+                if self.on_lost is not None:
+                    self.on_lost(worker, reason)
+                log.warning(
+                    "parameter-server shard %d: worker rank %d lost (%s); training continues "
+                    "on the %d remaining workers",
+                    self.shard,
+                    worker,
+                    reason,
+                    len(self.server.live_workers),
+                )
+            elif self.server.failure is not None and self.server.failure[0] == worker:
                 log.error(
                     "parameter-server shard %d: worker rank %d failed: %s",
                     self.shard,
@@ -243,7 +260,10 @@ class ShardHost:
         """
         deadline = time.monotonic() + (timeout if self.failure is None else 0.0)
         still = []
+        lost = {rank for rank, _ in self.server.lost}
         for worker, thread in zip(self._remote, self._receivers):
+            if worker in lost:
+                continue  # its receiver may wait on a frozen peer: abandoned (a daemon)
             thread.join(timeout=max(0.0, deadline - time.monotonic()))
             if thread.is_alive():
                 still.append(worker)

@@ -10,7 +10,7 @@ worker→shard   kind, worker, read version, flags, want, epoch batches,   the g
                batches held
                                                                          ``HAS_GRADIENT``
 shard→worker   kind, version, granted, flags, staleness, failed rank,    the weights slice
-               failure kind
+               failure kind, workers lost so far
                                                                          (always)
 =============  ========================================================  =====================
 
@@ -79,6 +79,7 @@ class FailureKind(IntEnum):
     CONNECTION_LOST = 1  # its process died: the connection closed
     SILENT = 2  # no heartbeat for longer than the timeout
     PROTOCOL = 3  # it sent a request the server could not accept
+    LOST = 4  # (to the lost worker itself) it came back after the others went on without it
 
 
 FAILURE_TEXT = {
@@ -86,6 +87,7 @@ FAILURE_TEXT = {
     FailureKind.CONNECTION_LOST: "its connection closed (the process died)",
     FailureKind.SILENT: "its heartbeat stopped (no heartbeat for longer than the timeout)",
     FailureKind.PROTOCOL: "it sent a request the server could not accept",
+    FailureKind.LOST: "it was declared lost and the others went on without it",
 }
 
 
@@ -144,6 +146,7 @@ class Reply:
     staleness: int = -1  # staleness of the worker's gradient answered here (-1: none)
     failed_rank: int = -1
     failure: FailureKind = FailureKind.UNKNOWN
+    lost: int = 0  # workers the server went on without, so far
     reason: str = ""  # the detailed reason (in-process only; the kind goes on the wire)
 
     def header(self) -> Tensor:
@@ -156,13 +159,14 @@ class Reply:
             self.staleness,
             self.failed_rank,
             int(self.failure),
+            self.lost,
         ]
         return torch.tensor(values + [0] * (HEADER_SIZE - len(values)), dtype=torch.int64)
 
     @classmethod
     def from_header(cls, worker: int, header: Tensor, weights: Tensor) -> Reply:
         """Decode a received header with the weights received after it."""
-        kind, version, granted, flags, staleness, failed_rank, failure = header[:7].tolist()
+        kind, version, granted, flags, staleness, failed_rank, failure, lost = header.tolist()
         return cls(
             worker,
             ReplyKind(kind),
@@ -173,6 +177,7 @@ class Reply:
             staleness,
             failed_rank,
             FailureKind(failure),
+            lost,
         )
 
 

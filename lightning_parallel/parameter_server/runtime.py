@@ -10,7 +10,9 @@ a collective call) from the rank's trained parameters and the user's optimizer:
 3. on a hosting rank, the :class:`ShardServer` (optimizer: the user's class, hyperparameters and
    parameter groups, restricted to the shard) inside a :class:`ShardHost`;
 4. the rank's :class:`ParameterClient`, its :class:`Heartbeat` and, on hosts, the
-   :class:`Watchdog` over the other workers.
+   :class:`Watchdog` over the other workers;
+5. the list of workers lost so far (:meth:`ParameterServerRuntime.lost_workers`), published by
+   shard 0's host in the store before any reply tells the workers how many there are.
 
 Plain torch: the Lightning strategy and the tests drive it the same way.
 """
@@ -138,6 +140,8 @@ class ParameterServerRuntime:
         wire_dtype: dtype of gradients and weights between ranks (``None``: the parameters'
             own; ``torch.bfloat16`` halves the bytes; the shards keep full precision).
         keep_trace: record every gradient's (worker, staleness) on the shards (tests).
+        continue_without_lost: a failed worker that hosts no shard and is not rank 0 is lost
+            and the others go on (:meth:`lost_workers`); ``False``: every failure stops the run.
     """
 
     def __init__(
@@ -154,6 +158,7 @@ class ParameterServerRuntime:
         lends: bool = True,
         wire_dtype: torch.dtype | None = None,
         keep_trace: bool = False,
+        continue_without_lost: bool = True,
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError("the parameter server needs torch.distributed to be initialised")
@@ -185,6 +190,15 @@ class ParameterServerRuntime:
         self.hosts = [(server_rank + shard) % self.world_size for shard in range(shards)]
         self.group = new_group(backend="gloo")  # the run's timeout (comm.groups)
         workers = list(range(self.world_size))
+        self.store = heartbeat_store(str(self.group.group_name))
+        # the run goes on without a lost worker unless it hosts a shard or is rank 0 (the
+        # rendezvous store, Lightning's loggers and checkpoints); it cannot without a store
+        expendable = (
+            set(workers) - set(self.hosts) - {0}
+            if continue_without_lost and self.store is not None
+            else set()
+        )
+        self._lost: list[tuple[int, str]] = []
         self.local_hosts: dict[int, ShardHost] = {}
         for shard, host_rank in enumerate(self.hosts):
             if host_rank != self.rank:
@@ -195,6 +209,7 @@ class ParameterServerRuntime:
                 _optimizer_factory(optimizer, first),
                 policy,
                 workers,
+                expendable=expendable,
                 budget=EpochBudget(run_batches, share=policy.max_staleness != 0)
                 if shard == 0
                 else None,
@@ -204,7 +219,13 @@ class ParameterServerRuntime:
             )
             server.statistics.keep_trace = keep_trace
             self.local_hosts[shard] = ShardHost(
-                server, shard, self.rank, workers, self.group, wire_dtype=wire_dtype
+                server,
+                shard,
+                self.rank,
+                workers,
+                self.group,
+                wire_dtype=wire_dtype,
+                on_lost=self._publish_lost if shard == 0 else None,
             )
         self.client = ParameterClient(
             self.rank,
@@ -222,7 +243,7 @@ class ParameterServerRuntime:
             host.start()
         self._heartbeat: Heartbeat | None = None
         self._watchdog: Watchdog | None = None
-        store = heartbeat_store(str(self.group.group_name))
+        store = self.store
         if store is not None:
             self._heartbeat = Heartbeat(store, self.rank, interval=min(2.0, self.timeout / 4))
             if self.local_hosts:
@@ -246,6 +267,30 @@ class ParameterServerRuntime:
                 f"no heartbeat from worker rank {rank} for {seconds:.1f} s",
                 FailureKind.SILENT,
             )
+
+    def _publish_lost(self, rank: int, reason: str) -> None:
+        # before any reply carries the new count (the host holds its lock), so that every
+        # worker that reads the count finds the rank
+        assert self.store is not None
+        index = len(self.local_hosts[0].server.lost) - 1
+        self.store.set(f"lost/{index}", f"{rank}\n{reason}")
+        self.store.add("lost/count", 1)
+
+    def published_lost(self) -> int:
+        """How many workers shard 0's server has gone on without so far (asks the store)."""
+        return 0 if self.store is None else int(self.store.add("lost/count", 0))
+
+    def lost_workers(self, count: int | None = None) -> list[tuple[int, str]]:
+        """``(rank, reason)`` of the first ``count`` workers the server went on without, in
+        order (default: as many as this worker's last reply from shard 0 said; the same list
+        on every worker after a drain)."""
+        count = self.client.lost if count is None else count
+        while len(self._lost) < count:
+            assert self.store is not None
+            text = self.store.get(f"lost/{len(self._lost)}").decode("utf-8", errors="replace")
+            rank, _, reason = text.partition("\n")
+            self._lost.append((int(rank), reason))
+        return list(self._lost)
 
     @property
     def failure(self) -> tuple[int, str] | None:
@@ -387,15 +432,17 @@ class ParameterServerRuntime:
 
     # ------------------------------------------------------------------ shutdown
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         """Leave the server and stop this rank's threads (call on every rank at the end).
 
-        After a failure nothing waits: the threads are daemons and are abandoned.
+        After a failure (``failed``: the run raised; or a shard here saw one) nothing waits, not
+        even the goodbye to a server that may be the peer that failed: the threads are daemons
+        and are abandoned.
         """
         if self.closed:
             return
         self.closed = True
-        failed = self.failure is not None
+        failed = failed or self.failure is not None
         if not failed:
             try:
                 self.client.leave()
@@ -413,8 +460,8 @@ class ParameterServerRuntime:
                 )
                 failed = True
         if self._watchdog is not None:
-            self._watchdog.stop()
+            self._watchdog.stop(wait=not failed)
         if self._heartbeat is not None:
-            self._heartbeat.stop()
+            self._heartbeat.stop(wait=not failed)
         if not failed:
             dist.destroy_process_group(self.group)

@@ -20,8 +20,12 @@ Algorithm, for each request (Zhang et al. 2016; Ho et al. 2013; Zheng et al. 201
 4. ``DRAIN``: a worker's last step of the epoch is answered only when every live worker has
    drained and no gradient is pending, so that every rank leaves the epoch with the same
    weights, in step with Lightning's collectives.
-5. A failed worker (:meth:`fail`) aborts the run: every waiting and every later request is
-   answered with ``ABORT`` naming the failed rank.
+5. A failed worker (:meth:`fail`) that the run can go on without (``expendable``: it hosts
+   no shard and is not rank 0) is *lost*: it no longer counts for soft synchronization, SSP or
+   the drain, its spare batches go back to the epoch's pool, and the others continue; the
+   count of lost workers travels in every reply, so that every worker learns of it at the
+   same drain. Any other failed worker aborts the run: every waiting and every later request
+   is answered with ``ABORT`` naming the failed rank.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from __future__ import annotations
 import copy
 import enum
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -111,6 +115,7 @@ class ShardServer:
             given (views of the flat vector, with the original shapes).
         policy: the update rules.
         workers: global ranks of all workers.
+        expendable: workers whose failure the run survives (see step 5; default: none).
         budget: the epoch budget (only the first shard holds one; ``None`` elsewhere).
         before_update: called with the optimizer before every update (the strategy uses it to
             copy the current learning rate and other hyperparameters from the user's optimizer,
@@ -125,6 +130,7 @@ class ShardServer:
         policy: UpdatePolicy,
         workers: Sequence[int],
         *,
+        expendable: Collection[int] = (),
         budget: EpochBudget | None = None,
         before_update: Callable[[Optimizer], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -143,6 +149,9 @@ class ShardServer:
         self.statistics = ServerStatistics()
         self.failure: tuple[int, str] | None = None
         self.failure_kind = FailureKind.UNKNOWN
+        self.expendable = frozenset(int(rank) for rank in expendable)
+        #: workers lost so far, in order, with the reason (step 5)
+        self.lost: list[tuple[int, str]] = []
         self._before_update = before_update
         self._clock = clock
         with torch.no_grad():
@@ -182,7 +191,11 @@ class ShardServer:
             return [] if self.failure else self._progress()
         if self.failure is not None:
             return [self._abort(request.worker)]
-        if worker.status in (WorkerStatus.LEFT, WorkerStatus.FAILED):
+        if worker.status == WorkerStatus.FAILED:
+            # a lost worker that comes back (it was frozen, or cut off, longer than the
+            # heartbeat timeout): the others went on without it; it must stop
+            return [self._abort(request.worker, failed=request.worker)]
+        if worker.status == WorkerStatus.LEFT:
             raise RuntimeError(
                 f"worker rank {request.worker} sent {request.kind.name} after leaving"
             )
@@ -238,11 +251,22 @@ class ShardServer:
     def fail(
         self, worker: int, reason: str, kind: FailureKind = FailureKind.UNKNOWN
     ) -> list[Reply]:
-        """Worker ``worker`` is gone: abort every waiting worker (and all later requests)."""
+        """Worker ``worker`` is gone: lose it if it is expendable and the failure is not a
+        protocol error (the others go on: the replies now due), else abort every waiting
+        worker (and all later requests)."""
         state = self._workers.get(worker)
-        if state is None or state.status == WorkerStatus.LEFT or self.failure is not None:
+        if state is None or state.status in (WorkerStatus.LEFT, WorkerStatus.FAILED):
+            return []
+        if self.failure is not None:
             return []
         state.status = WorkerStatus.FAILED
+        if worker in self.expendable and kind != FailureKind.PROTOCOL:
+            self.lost.append((worker, reason))
+            if self.budget is not None:
+                self.budget.forget(worker)
+            # its pending gradient, if any, was received whole and is applied; groups and
+            # the drain no longer wait for it
+            return self._progress()
         self.failure = (worker, reason)
         self.failure_kind = kind
         return [
@@ -402,21 +426,32 @@ class ShardServer:
         if worker.dropped:
             flags |= ReplyFlag.DROPPED
         reply = Reply(
-            rank, ReplyKind.WEIGHTS, self.version, self._weights(), granted, flags, worker.staleness
+            rank,
+            ReplyKind.WEIGHTS,
+            self.version,
+            self._weights(),
+            granted,
+            flags,
+            worker.staleness,
+            lost=len(self.lost),
         )
         worker.staleness, worker.dropped = -1, False
         return reply
 
-    def _abort(self, rank: int) -> Reply:
-        assert self.failure is not None
-        failed, reason = self.failure
+    def _abort(self, rank: int, failed: int | None = None) -> Reply:
+        if failed is not None:  # ``rank`` itself was lost earlier
+            why = next(why for lost, why in self.lost if lost == failed)
+            kind, reason = FailureKind.LOST, f"the others went on without it ({why})"
+        else:
+            assert self.failure is not None
+            (failed, reason), kind = self.failure, self.failure_kind
         return Reply(
             rank,
             ReplyKind.ABORT,
             self.version,
             self._weights(),
             failed_rank=failed,
-            failure=self.failure_kind,
+            failure=kind,
             reason=reason,
         )
 

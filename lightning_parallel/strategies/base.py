@@ -138,6 +138,8 @@ class ParallelStrategyBase(DDPStrategy):
             **kwargs,
         )
         self._liveness: Liveness | None = None
+        #: the run raised (on_exception): teardown waits for nothing a lost peer may block
+        self.failed = False
         self._restore_sigterm: Callable[[], None] | None = None
 
     @classmethod
@@ -227,6 +229,7 @@ class ParallelStrategyBase(DDPStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)
+        self.failed = True
         liveness = self._liveness
         if liveness is None or not is_communication_error(exception):
             return
@@ -244,7 +247,7 @@ class ParallelStrategyBase(DDPStrategy):
     def teardown(self) -> None:
         liveness, self._liveness = self._liveness, None
         if liveness is not None:
-            liveness.stop()
+            liveness.stop(wait=not self.failed)
         restore, self._restore_sigterm = self._restore_sigterm, None
         if restore is not None:
             restore()

@@ -20,7 +20,14 @@ scheduler, checkpoints that load under ``ddp`` and on one device. How a step goe
    (validation, checkpoint, logging) together;
 4. between the first batch and the drain, ranks are not in step: ``self.log(sync_dist=True)``
    in ``training_step`` logs the local value (a warning says so), and a collective there
-   (``barrier``, ``broadcast``, ``all_gather``) raises, naming the cause.
+   (``barrier``, ``broadcast``, ``all_gather``) raises, naming the cause;
+5. a worker that dies, freezes or is cut off during an epoch (not rank 0, not a shard host) is
+   *lost*: the server goes on without it (``worker_loss="continue"``), the others finish the
+   epoch's budget, and at the drain every rank logs the loss and moves Lightning's collectives
+   (validation metrics, checkpoints, ``torchmetrics``) to a group of the survivors. The lost
+   worker's share of the validation set is no longer evaluated. A worker lost outside an
+   epoch's training (during validation or a checkpoint), rank 0 or a shard host ends the run
+   on every rank with an error naming it.
 
 Example::
 
@@ -31,10 +38,12 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
+import time
 from collections.abc import Callable, Mapping
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import pytorch_lightning as pl
 import torch
@@ -47,9 +56,13 @@ from pytorch_lightning.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.distributed import ReduceOp
 from torch.optim import Optimizer
+from torchmetrics import Metric
+from torchmetrics.utilities.distributed import gather_all_tensors
 from typing_extensions import override
 
+from lightning_parallel.comm.groups import new_group
 from lightning_parallel.comm.ledger import process_ledger
+from lightning_parallel.comm.liveness import is_communication_error
 from lightning_parallel.comm.modules import broadcast_module_states
 from lightning_parallel.compat import register_strategy
 from lightning_parallel.compat.private import (
@@ -70,6 +83,8 @@ from lightning_parallel.strategies.base import ParallelStrategyBase
 __all__: list[str] = []
 
 log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 
 class ParameterServerStrategy(ParallelStrategyBase):
@@ -98,10 +113,13 @@ class ParameterServerStrategy(ParallelStrategyBase):
         server_rank: global rank hosting the first shard (default 0; shard k is on
             ``(server_rank + k) % world_size``).
         shards: number of server shards (default 1), each owning whole parameters.
-        heartbeat_timeout: seconds of heartbeat silence after which a worker counts as dead
-            (default 60);
-            a worker whose process dies is detected at once. Either way every rank stops with
-            :class:`~lightning_parallel.parameter_server.WorkerFailure` naming the dead rank.
+        worker_loss: what a lost worker does to the run (step 5 above): ``"continue"``
+            (default) goes on without it; ``"stop"`` ends the run on every rank with
+            :class:`~lightning_parallel.parameter_server.WorkerFailure` naming it.
+        heartbeat_timeout: seconds of heartbeat silence after which a worker counts as lost
+            (default: half of ``timeout``, at most 60); a worker whose process dies is detected
+            at once. Must be shorter than ``timeout``, so that a frozen worker is declared lost
+            before the others' transfers time out.
         start_method: how Lightning starts the processes: ``"popen"`` (default, like ``ddp``),
             ``"spawn"``, ``"fork"``, ``"forkserver"``; ignored when the processes are started
             by an outside launcher (torchrun, SLURM, the benchmark's cluster).
@@ -129,7 +147,8 @@ class ParameterServerStrategy(ParallelStrategyBase):
         staleness_decay: float = 0.5,
         server_rank: int = 0,
         shards: int = 1,
-        heartbeat_timeout: float = 60.0,
+        worker_loss: Literal["continue", "stop"] = "continue",
+        heartbeat_timeout: float | None = None,
         timeout: timedelta | None = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         accelerator: pl.accelerators.Accelerator | None = None,
@@ -158,7 +177,11 @@ class ParameterServerStrategy(ParallelStrategyBase):
             raise ValueError(f"server_rank must be a global rank >= 0, got {server_rank!r}")
         if int(shards) != shards or shards < 1:
             raise ValueError(f"shards must be an integer >= 1, got {shards!r}")
-        if isinstance(heartbeat_timeout, bool) or not float(heartbeat_timeout) > 0:
+        if worker_loss not in ("continue", "stop"):
+            raise ValueError(f"worker_loss must be 'continue' or 'stop', got {worker_loss!r}")
+        if heartbeat_timeout is not None and (
+            isinstance(heartbeat_timeout, bool) or not float(heartbeat_timeout) > 0
+        ):
             raise ValueError(f"heartbeat_timeout must be > 0 seconds, got {heartbeat_timeout!r}")
         super().__init__(
             accelerator=accelerator,
@@ -173,19 +196,32 @@ class ParameterServerStrategy(ParallelStrategyBase):
         )
         self.server_rank = int(server_rank)
         self.shards = int(shards)
+        self.worker_loss = worker_loss
+        limit = self.collective_timeout.total_seconds()
+        if heartbeat_timeout is None:
+            heartbeat_timeout = min(60.0, limit / 2)
+        elif float(heartbeat_timeout) >= limit:
+            raise ValueError(
+                f"heartbeat_timeout={heartbeat_timeout!r} s must be shorter than timeout "
+                f"({limit:g} s): a frozen worker must be declared lost before the other "
+                f"workers' transfers time out; use heartbeat_timeout={limit / 2:g} or raise "
+                "timeout"
+            )
         self.fault_timeout = float(heartbeat_timeout)
         self.runtime: ParameterServerRuntime | None = None
         self._asynchronous = False
         self._skipped = False
         #: prefetched batches not trained because a faster worker took their grant
         self.skipped_batches = 0
-        self._failed = False
         self._bytes_sent = 0.0
         self._warned_sync_dist = False
         self._server_state: dict[str, Any] | None = None
         self._resume_server_state: dict[str, Any] | None = None
         self._restore: list[Callable[[], None]] = []
         self._limit: int | float = 1.0
+        #: the ranks still in the run, once a worker was lost (Lightning's collectives use it)
+        self.survivors: list[int] | None = None
+        self._survivor_group: Any = None
 
     # ------------------------------------------------------------------ launch and setup
 
@@ -198,7 +234,8 @@ class ParameterServerStrategy(ParallelStrategyBase):
             self._check_configuration(trainer)
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
-        broadcast_module_states(self.model)  # every worker starts from rank 0's weights, like DDP
+        # every worker starts from rank 0's weights, like DDP
+        broadcast_module_states(self.model, group=self._survivor_group)
         if fitting:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
@@ -281,7 +318,13 @@ class ParameterServerStrategy(ParallelStrategyBase):
             overlap=self.overlap,
             lends=accumulate == 1,
             wire_dtype=self.wire_dtype,
+            continue_without_lost=self.worker_loss == "continue",
         )
+        for metric in trainer.lightning_module.modules():
+            if isinstance(metric, Metric) and metric.dist_sync_fn is None:
+                # torchmetrics synchronises over the ranks still in the run (_collective)
+                metric.dist_sync_fn = self._gather_for_metrics
+                self._restore.append(functools.partial(setattr, metric, "dist_sync_fn", None))
         hooks = _ParameterServerHooks(self)
         callbacks: list[Callback] = trainer.callbacks  # type: ignore[attr-defined]
         callbacks.append(hooks)
@@ -382,18 +425,90 @@ class ParameterServerStrategy(ParallelStrategyBase):
             ledger.set_gauge(name, value)
         if drained:
             self._asynchronous = False
+            self._adopt_losses(self.runtime.client.lost)
             self._sync_buffers()
             if self.runtime.client.run_over:
                 trainer.should_stop = True
 
     def _sync_buffers(self) -> None:
         # The server trains parameters only; buffers (BatchNorm statistics) follow rank 0's at
-        # every epoch end, as DDP's broadcast_buffers does at every step.
+        # every epoch end, as DDP's broadcast_buffers does at every step. A sum in which every
+        # other rank adds zeros, not a broadcast: every rank then needs every other, so a lost
+        # worker fails it on every survivor alike (_collective); the sum is exact.
         assert self.model is not None
-        buffers = [buffer for buffer in self.model.buffers()]
-        if buffers and self.world_size > 1:
+        buffers = [buffer for buffer in self.model.buffers() if buffer.dtype != torch.bool]
+        if not buffers or self.world_size < 2:
+            return
+
+        def rank_zeros(group: Any) -> None:
             for buffer in buffers:
-                torch.distributed.broadcast(buffer, src=0)
+                if self.global_rank != 0:  # again at a retry: a failed sum may have left some
+                    buffer.zero_()
+                torch.distributed.all_reduce(buffer, group=group)
+
+        self._collective(rank_zeros)
+
+    # ------------------------------------------------------------------ lost workers
+
+    def _adopt_losses(self, count: int) -> None:
+        """The server went on without ``count`` workers in all: say so, and move Lightning's
+        collectives to a group of the survivors (:meth:`ParameterServerRuntime.lost_workers`
+        gives every rank the same list)."""
+        runtime = self.runtime
+        known = self.world_size - len(self.survivors or range(self.world_size))
+        if runtime is None or count <= known:
+            return
+        lost = runtime.lost_workers(count)
+        gone = {rank for rank, _ in lost}
+        self.survivors = [rank for rank in range(self.world_size) if rank not in gone]
+        self._survivor_group = new_group(self.survivors, members_only=True)
+        for rank, reason in lost[known:]:
+            log.warning(
+                "parameter server: worker rank %d was lost (%s); training continues on the "
+                "%d remaining workers (ranks %s)",
+                rank,
+                reason,
+                len(self.survivors),
+                self.survivors,
+            )
+        process_ledger().set_gauge("ps_workers_lost", float(len(gone)))
+
+    def _collective(self, run: Callable[[Any], _T]) -> _T:
+        """``run(group)``: a collective over the ranks still in the run (``group`` is ``None``,
+        the default group, until a worker is lost).
+
+        A worker lost between two training epochs (in validation, a checkpoint, logging) is
+        noticed here: every survivor's collective fails, since each needs every member's data
+        (the broadcast too, see :meth:`broadcast`). Each survivor then waits for the server to
+        declare the loss (at once for a dead process, ``heartbeat_timeout`` for a frozen one),
+        moves to the survivors' group and runs the collective again.
+        """
+        while True:
+            try:
+                return run(self._survivor_group)
+            except Exception as error:
+                if not self._moved_past_loss(error):
+                    raise
+
+    def _moved_past_loss(self, error: Exception) -> bool:
+        runtime = self.runtime
+        if runtime is None or self.worker_loss != "continue":
+            return False
+        if not is_communication_error(error):
+            return False
+        known = self.world_size - len(self.survivors or range(self.world_size))
+        deadline = time.monotonic() + self.fault_timeout + 5.0
+        self.set_activity("waiting for the server to declare a lost worker")
+        while (count := runtime.published_lost()) <= known:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.1)
+        self._adopt_losses(count)
+        return True
+
+    def _gather_for_metrics(self, tensor: Tensor, group: Any = None) -> list[Tensor]:
+        # torchmetrics' ``dist_sync_fn``: its all-gather, over the ranks still in the run
+        return self._collective(lambda survivors: gather_all_tensors(tensor, group=survivors))
 
     # ------------------------------------------------------------------ collectives
 
@@ -410,7 +525,13 @@ class ParameterServerStrategy(ParallelStrategyBase):
                     "epoch-level and validation values are synchronised"
                 )
             return tensor
-        return super().reduce(tensor, group=group, reduce_op=reduce_op)
+        if group is not None or not isinstance(tensor, Tensor):
+            return super().reduce(tensor, group=group, reduce_op=reduce_op)
+        return self._collective(
+            lambda survivors: super(ParameterServerStrategy, self).reduce(
+                tensor.clone(), group=survivors, reduce_op=reduce_op
+            )
+        )
 
     def _forbid_collective(self, name: str) -> None:
         if self._asynchronous:
@@ -421,21 +542,50 @@ class ParameterServerStrategy(ParallelStrategyBase):
             )
 
     @override
-    def barrier(self, *args: Any, **kwargs: Any) -> None:
+    def barrier(self, name: str | None = None) -> None:
         self._forbid_collective("barrier")
-        super().barrier(*args, **kwargs)
+        if not torch.distributed.is_initialized():
+            return
+        self.set_activity(f"barrier {name or ''}".rstrip())
+        self._collective(lambda survivors: torch.distributed.barrier(group=survivors))
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """Rank ``src``'s ``obj`` on every rank, as an all-gather of objects: every rank then
+        needs every other, so that a lost worker fails the call on every survivor at once
+        (:meth:`_collective`); Lightning broadcasts only small objects (paths, decisions)."""
         self._forbid_collective("broadcast")
-        return super().broadcast(obj, src)
+        if not torch.distributed.is_initialized():
+            return obj
+
+        def gather(survivors: Any) -> Any:
+            members = self.survivors or list(range(self.world_size))
+            gathered: list[Any] = [None] * len(members)
+            torch.distributed.all_gather_object(gathered, obj, group=survivors)
+            return gathered[members.index(src)]
+
+        return self._collective(gather)
 
     @override
     def all_gather(
         self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False
     ) -> Tensor:
         self._forbid_collective("all_gather")
-        return super().all_gather(tensor, group=group, sync_grads=sync_grads)
+        if group is not None:
+            return super().all_gather(tensor, group=group, sync_grads=sync_grads)
+        return self._collective(
+            lambda survivors: super(ParameterServerStrategy, self).all_gather(
+                tensor, group=survivors, sync_grads=sync_grads
+            )
+        )
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        if self._survivor_group is None and self.runtime is None:
+            return super().reduce_boolean_decision(decision, all=all)
+        votes = self.reduce(torch.tensor(int(decision), device=self.root_device), reduce_op="sum")
+        members = len(self.survivors or range(self.world_size))
+        return bool(votes == members) if all else bool(votes)
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -478,7 +628,6 @@ class ParameterServerStrategy(ParallelStrategyBase):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        self._failed = True
         failure = self.runtime.failure if self.runtime is not None else None
         if failure is not None and not isinstance(exception, WorkerFailure) and exception.args:
             rank, reason = failure
@@ -493,13 +642,13 @@ class ParameterServerStrategy(ParallelStrategyBase):
         self._asynchronous = False
         runtime, self.runtime = self.runtime, None
         if runtime is not None:
-            if not self._failed and runtime.failure is None:
+            if not self.failed and runtime.failure is None:
                 # the user's optimizer never stepped: give it the server's state, so that
                 # `trainer.optimizers` and later checkpoints hold the trained state
                 gathered = runtime.gather_state()
                 if gathered is not None:
                     runtime.optimizer.load_state_dict(gathered[0])
-            runtime.close()
+            runtime.close(failed=self.failed)
         while self._restore:
             self._restore.pop()()
         super().teardown()

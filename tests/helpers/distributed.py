@@ -14,7 +14,7 @@ import os
 import pickle
 import socket
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from datetime import timedelta
 from typing import Any
 
@@ -68,8 +68,13 @@ def run_distributed(
     timeout: float = 120.0,
     start_method: str = "fork",
     init_group: bool = True,
+    may_vanish: Collection[int] = (),
 ) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo processes; results by rank."""
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo processes; results by rank.
+
+    ``may_vanish``: ranks that may die or freeze without a result (fault tests); their result
+    is ``None``, and the call returns once every other rank has answered.
+    """
     context = mp.get_context(start_method)
     queue = context.Queue()
     port = free_port()
@@ -84,7 +89,8 @@ def run_distributed(
     results: dict[int, Any] = {}
     failures: list[str] = []
     try:
-        for _ in range(world_size):
+        required = set(range(world_size)) - set(may_vanish)
+        while not required <= results.keys():
             try:
                 rank, ok, payload = queue.get(timeout=timeout)
             except Exception as error:  # queue.Empty
@@ -107,4 +113,4 @@ def run_distributed(
                 process.join()
     if failures:
         raise RuntimeError("\n".join(failures))
-    return [results[rank] for rank in range(world_size)]
+    return [results.get(rank) for rank in range(world_size)]

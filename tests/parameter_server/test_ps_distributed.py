@@ -39,11 +39,19 @@ def _train(
     timeout=30.0,
     on_step=None,
     overlap=False,
+    continue_without_lost=True,
+    lost=None,
 ):
     model = _model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
     runtime = ParameterServerRuntime(
-        optimizer, policy, shards=shards, timeout=timeout, keep_trace=keep_trace, overlap=overlap
+        optimizer,
+        policy,
+        shards=shards,
+        timeout=timeout,
+        keep_trace=keep_trace,
+        overlap=overlap,
+        continue_without_lost=continue_without_lost,
     )
     runtime.client.begin_epoch(steps)
     for step in range(steps):
@@ -55,6 +63,8 @@ def _train(
         if delay is not None:
             time.sleep(delay(rank))
         runtime.client.step(True, drain=step == steps - 1)
+    if lost is not None:
+        lost.extend(runtime.lost_workers())
     gathered = runtime.gather_state()
     trace = [host.server.statistics.trace for host in runtime.local_hosts.values()]
     runtime.close()
@@ -243,13 +253,13 @@ def test_server_threads_and_default_group_collectives_do_not_interfere():
 @pytest.mark.parametrize(
     "policy", [UpdatePolicy(), UpdatePolicy(max_staleness=0)], ids=["async", "ssp0"]
 )
-def test_killed_worker_stops_the_others_naming_it(policy):
+def test_killed_worker_stops_the_others_naming_it_when_told_to(policy):
     def fn(rank, world):
         def die(rank, step):
             if rank == 2 and step == 3:
                 os._exit(1)
 
-        _train(rank, world, policy, 200, on_step=die, timeout=20.0)
+        _train(rank, world, policy, 200, on_step=die, timeout=20.0, continue_without_lost=False)
 
     start = time.monotonic()
     with pytest.raises(RuntimeError) as raised:
@@ -259,13 +269,61 @@ def test_killed_worker_stops_the_others_naming_it(policy):
     assert "worker rank 2 failed" in str(raised.value)
 
 
+@pytest.mark.parametrize("fault", ["kill", "freeze"])
+@pytest.mark.parametrize(
+    "policy",
+    [UpdatePolicy(), UpdatePolicy(max_staleness=0), UpdatePolicy(softsync=3)],
+    ids=["async", "ssp0", "softsync3"],
+)
+def test_the_others_go_on_without_a_lost_worker(policy, fault):
+    """Rank 2 dies (or freezes) at its 4th step; ranks 0 and 1 finish every step of theirs,
+    drain together (even synchronous SGD and 3-softsync no longer wait for rank 2) and learn
+    at the drain that rank 2 was lost, and why."""
+    steps = 30
+
+    def fn(rank, world):
+        def stop(rank, step):
+            if rank == 2 and step == 3:
+                if fault == "kill":
+                    os._exit(1)
+                os.kill(os.getpid(), signal.SIGSTOP)
+
+        lost = []
+        weights, _, trace = _train(
+            rank, world, policy, steps, on_step=stop, timeout=2.0, lost=lost, keep_trace=True
+        )
+        return weights, lost, trace
+
+    start = time.monotonic()
+    results = run_distributed(fn, 3, timeout=60, may_vanish={2})
+    assert time.monotonic() - start < 30
+    assert results[2] is None
+    (weights0, lost0, trace), (weights1, lost1, _) = results[0], results[1]
+    assert [rank for rank, _ in lost0] == [rank for rank, _ in lost1] == [2]
+    reason = lost0[0][1]
+    assert ("connection" in reason) if fault == "kill" else ("no heartbeat" in reason)
+    for left, right in zip(weights0, weights1):  # both left the epoch with the server's weights
+        assert torch.equal(left, right)
+    # the shard (on rank 0) took every gradient of ranks 0 and 1, and rank 2's first three
+    workers = [worker for worker, _ in trace[0]]
+    assert {rank: workers.count(rank) for rank in range(3)} == {0: steps, 1: steps, 2: 3}
+
+
 def test_frozen_worker_is_detected_by_its_silent_heartbeat():
     def fn(rank, world):
         def freeze(rank, step):
             if rank == 1 and step == 2:
                 os.kill(os.getpid(), signal.SIGSTOP)
 
-        _train(rank, world, UpdatePolicy(max_staleness=0), 100, on_step=freeze, timeout=2.0)
+        _train(
+            rank,
+            world,
+            UpdatePolicy(max_staleness=0),
+            100,
+            on_step=freeze,
+            timeout=2.0,
+            continue_without_lost=False,
+        )
 
     start = time.monotonic()
     with pytest.raises(RuntimeError) as raised:

@@ -1,11 +1,14 @@
 """ParameterServerStrategy inside real Lightning fits (fork launcher, 2 processes on gloo)."""
 
 import json
+import logging
 import os
 import time
+from datetime import timedelta
 
 import pytest
 import torch
+import torchmetrics
 from helpers.distributed import run_distributed
 from pytorch_lightning import Callback, LightningModule, Trainer
 from pytorch_lightning.callbacks import ModelCheckpoint
@@ -210,7 +213,8 @@ def test_mid_epoch_validation_is_refused():
 
 
 def test_killed_worker_stops_lightning_ranks_naming_it(tmp_path):
-    """Processes started outside Lightning (as the benchmark does); rank 2 dies mid-epoch."""
+    """Processes started outside Lightning (as the benchmark does); rank 2 dies mid-epoch and
+    ``worker_loss="stop"`` ends the run on the others."""
 
     class Die(Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
@@ -223,7 +227,7 @@ def test_killed_worker_stops_lightning_ranks_naming_it(tmp_path):
             accelerator="cpu",
             devices=1,
             num_nodes=world,
-            strategy=ParameterServerStrategy(heartbeat_timeout=10.0),
+            strategy=ParameterServerStrategy(heartbeat_timeout=10.0, worker_loss="stop"),
             max_epochs=50,
             callbacks=[Die()],
             logger=False,
@@ -240,6 +244,85 @@ def test_killed_worker_stops_lightning_ranks_naming_it(tmp_path):
         run_distributed(fn, 3, timeout=90)
     assert time.monotonic() - start < 60
     assert "worker rank 2 failed" in str(raised.value)
+
+
+class _Measured(_Tiny):
+    """With a torchmetrics metric, which synchronises over its own process group."""
+
+    def __init__(self, samples: int = 64) -> None:
+        super().__init__(samples)
+        self.accuracy = torchmetrics.classification.MulticlassAccuracy(num_classes=3)
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.accuracy(self(x), y)
+        self.log("val_acc", self.accuracy)
+        super().validation_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize("when", ["training", "validation"])
+def test_the_others_go_on_without_a_killed_worker_and_say_so(tmp_path, when):
+    """Rank 2 of 3 dies in the first epoch, in its training (the others learn it at the drain)
+    or in its validation (the others' collectives fail, and go on over the survivors): ranks 0
+    and 1 train the three epochs, validate (``sync_dist`` and a torchmetrics metric, over the
+    survivors), save checkpoints and log the loss; both end on the server's weights."""
+
+    class Die(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if when == "training" and trainer.global_rank == 2 and batch_idx == 2:
+                os._exit(1)
+
+        def on_validation_batch_end(self, trainer, pl_module, *args):
+            if when == "validation" and trainer.global_rank == 2:
+                os._exit(1)
+
+    def fn(rank, world):
+        os.environ.update(LOCAL_RANK="0", NODE_RANK=str(rank))
+        messages = []
+        handler = logging.Handler()
+        handler.emit = lambda record: messages.append(record.getMessage())
+        logging.getLogger("lightning_parallel").addHandler(handler)
+        checkpoints = ModelCheckpoint(dirpath=tmp_path, save_last=True, every_n_epochs=1)
+        strategy = ParameterServerStrategy(timeout=timedelta(seconds=30))
+        trainer = Trainer(
+            accelerator="cpu",
+            devices=1,
+            num_nodes=world,
+            strategy=strategy,
+            max_epochs=3,
+            callbacks=[Die(), checkpoints],
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            num_sanity_val_steps=0,
+            default_root_dir=tmp_path,
+        )
+        model = _Measured(samples=512)
+        trainer.fit(model)
+        return (
+            trainer.current_epoch,
+            strategy.survivors,
+            _vector(model),
+            float(trainer.callback_metrics["val_acc"]),
+            [m for m in messages if "was lost" in m],
+        )
+
+    start = time.monotonic()
+    results = run_distributed(fn, 3, timeout=120, may_vanish={2}, init_group=False)
+    assert time.monotonic() - start < 90
+    assert results[2] is None
+    for epoch, survivors, _, accuracy, said in results[:2]:
+        assert epoch == 3 and survivors == [0, 1]
+        assert 0.0 <= accuracy <= 1.0
+        assert len(said) == 1 and "worker rank 2 was lost" in said[0], said
+        assert "training continues on the 2 remaining workers" in said[0]
+    assert torch.equal(results[0][2], results[1][2])
+    assert results[0][3] == results[1][3]  # the metric was synchronised over both
+    checkpoint = torch.load(tmp_path / "last.ckpt", weights_only=False)
+    assert checkpoint["epoch"] == 2  # the last epoch's checkpoint, written by rank 0
+    restored = _Measured()
+    restored.load_state_dict(checkpoint["state_dict"])
+    assert torch.equal(_vector(restored), results[0][2])
 
 
 def test_one_process_trains_like_plain_sgd():
