@@ -191,7 +191,9 @@ class GroPipeStrategy(ParallelStrategyBase):
         start_method: ``"popen"`` (Lightning re-runs the script per process; the right choice
             with torchrun/SLURM), ``"spawn"``, ``"fork"`` or ``"forkserver"``. When processes
             are launched externally the strategy launches nothing, whatever this says.
-        process_group_backend: ``"gloo"`` or ``"nccl"`` (default: by device).
+        **kwargs: Lightning's strategy arguments (``accelerator``, ``parallel_devices``,
+            ``cluster_environment``, ``checkpoint_io``, ``precision_plugin``,
+            ``process_group_backend``), passed on by :class:`ParallelStrategyBase`.
         timeout: collective timeout.
     """
 
@@ -214,12 +216,6 @@ class GroPipeStrategy(ParallelStrategyBase):
         timeline_steps: int = 3,
         placement: str = "pipeline",
         start_method: str = "popen",
-        accelerator: pl.accelerators.Accelerator | None = None,
-        parallel_devices: list[torch.device] | None = None,
-        cluster_environment: Any = None,
-        checkpoint_io: Any = None,
-        precision_plugin: Any = None,
-        process_group_backend: str | None = None,
         timeout: timedelta | None = DEFAULT_TIMEOUT,
         **kwargs: Any,
     ) -> None:
@@ -251,12 +247,6 @@ class GroPipeStrategy(ParallelStrategyBase):
                 f"allreduce on one host), got {placement!r}"
             )
         super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-            process_group_backend=process_group_backend,
             timeout=timeout,
             start_method=start_method,
             **kwargs,

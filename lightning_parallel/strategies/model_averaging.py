@@ -53,8 +53,6 @@ from typing import Any, Literal
 import pytorch_lightning as pl
 import torch
 import torch.distributed as dist
-from lightning_fabric.plugins import CheckpointIO, ClusterEnvironment
-from pytorch_lightning.plugins.precision import Precision
 from pytorch_lightning.trainer.states import TrainerFn
 from pytorch_lightning.utilities.rank_zero import rank_zero_warn
 from torch.distributed.constants import default_pg_timeout as DEFAULT_TIMEOUT
@@ -157,16 +155,12 @@ class ModelAveragingStrategy(ParallelStrategyBase):
         outer_nesterov: Nesterov outer momentum for SGD (default ``True``).
         start_method: ``"popen"`` (default; also what externally launched processes need),
             ``"spawn"``, ``"fork"`` or ``"forkserver"``.
-        accelerator: as Lightning's ``DDPStrategy``.
-        parallel_devices: as Lightning's ``DDPStrategy``.
-        cluster_environment: as Lightning's ``DDPStrategy``.
-        checkpoint_io: as Lightning's ``DDPStrategy``.
-        precision_plugin: as Lightning's ``DDPStrategy``.
-        process_group_backend: as Lightning's ``DDPStrategy``.
         timeout: a ``timedelta`` for every collective, the averaging rounds' included (a dead
             peer raises after it).
-        **kwargs: nothing else; an unknown keyword raises ``TypeError`` naming the accepted
-            ones.
+        **kwargs: Lightning's strategy arguments (``accelerator``, ``parallel_devices``,
+            ``cluster_environment``, ``checkpoint_io``, ``precision_plugin``,
+            ``process_group_backend``), passed on by :class:`ParallelStrategyBase`; an unknown
+            keyword raises ``TypeError`` naming the accepted ones.
 
     Attributes:
         averaging: the round runner while fitting (``None`` otherwise).
@@ -196,24 +190,12 @@ class ModelAveragingStrategy(ParallelStrategyBase):
         outer_lr: float | str | None = None,
         outer_momentum: float | str | None = None,
         outer_nesterov: bool | str | None = None,
-        accelerator: pl.accelerators.Accelerator | None = None,
-        parallel_devices: list[torch.device] | None = None,
-        cluster_environment: ClusterEnvironment | None = None,
-        checkpoint_io: CheckpointIO | None = None,
-        precision_plugin: Precision | None = None,
-        process_group_backend: str | None = None,
         timeout: timedelta | None = DEFAULT_TIMEOUT,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         **kwargs: Any,
     ) -> None:
         super().__init__(
             **kwargs,
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-            process_group_backend=process_group_backend,
             timeout=timeout,
             start_method=start_method,
         )

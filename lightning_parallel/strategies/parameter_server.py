@@ -47,9 +47,7 @@ from typing import Any, Literal, TypeVar
 
 import pytorch_lightning as pl
 import torch
-from lightning_fabric.plugins import CheckpointIO, ClusterEnvironment
 from pytorch_lightning.callbacks import Callback, ModelCheckpoint, Timer
-from pytorch_lightning.plugins.precision import Precision
 from pytorch_lightning.trainer.states import RunningStage, TrainerFn
 from pytorch_lightning.utilities.exceptions import SIGTERMException
 from pytorch_lightning.utilities.rank_zero import rank_zero_warn
@@ -123,9 +121,9 @@ class ParameterServerStrategy(ParallelStrategyBase):
         start_method: how Lightning starts the processes: ``"popen"`` (default, like ``ddp``),
             ``"spawn"``, ``"fork"``, ``"forkserver"``; ignored when the processes are started
             by an outside launcher (torchrun, SLURM, the benchmark's cluster).
-        accelerator: as for Lightning's ``DDPStrategy``, and so are ``parallel_devices``,
-            ``cluster_environment``, ``checkpoint_io``, ``precision_plugin`` and
-            ``process_group_backend``.
+        **kwargs: Lightning's strategy arguments (``accelerator``, ``parallel_devices``,
+            ``cluster_environment``, ``checkpoint_io``, ``precision_plugin``,
+            ``process_group_backend``), passed on by :class:`ParallelStrategyBase`.
     """
 
     strategy_name = "parameter_server"
@@ -151,12 +149,6 @@ class ParameterServerStrategy(ParallelStrategyBase):
         heartbeat_timeout: float | None = None,
         timeout: timedelta | None = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
-        accelerator: pl.accelerators.Accelerator | None = None,
-        parallel_devices: list[torch.device] | None = None,
-        cluster_environment: ClusterEnvironment | None = None,
-        checkpoint_io: CheckpointIO | None = None,
-        precision_plugin: Precision | None = None,
-        process_group_backend: str | None = None,
         **kwargs: Any,
     ) -> None:
         self.policy = UpdatePolicy(
@@ -184,12 +176,6 @@ class ParameterServerStrategy(ParallelStrategyBase):
         ):
             raise ValueError(f"heartbeat_timeout must be > 0 seconds, got {heartbeat_timeout!r}")
         super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-            process_group_backend=process_group_backend,
             start_method=start_method,
             timeout=timeout,
             **kwargs,

@@ -206,7 +206,9 @@ class SpecTrainStrategy(GroPipeStrategy):
         timeline_steps: steps of timeline kept.
         start_method: ``"popen"``, ``"spawn"``, ``"fork"`` or ``"forkserver"``; nothing is
             launched when processes are started externally (torchrun, SLURM, the benchmark).
-        process_group_backend: ``"gloo"`` or ``"nccl"`` (default: by device).
+        **kwargs: Lightning's strategy arguments (``accelerator``, ``parallel_devices``,
+            ``cluster_environment``, ``checkpoint_io``, ``precision_plugin``,
+            ``process_group_backend``), passed on by :class:`ParallelStrategyBase`.
         timeout: collective timeout.
     """
 
@@ -227,12 +229,6 @@ class SpecTrainStrategy(GroPipeStrategy):
         timeline_path: str | None = None,
         timeline_steps: int = 3,
         start_method: str = "popen",
-        accelerator: pl.accelerators.Accelerator | None = None,
-        parallel_devices: list[torch.device] | None = None,
-        cluster_environment: Any = None,
-        checkpoint_io: Any = None,
-        precision_plugin: Any = None,
-        process_group_backend: str | None = None,
         timeout: timedelta | None = DEFAULT_TIMEOUT,
         **kwargs: Any,
     ) -> None:
@@ -272,12 +268,6 @@ class SpecTrainStrategy(GroPipeStrategy):
             timeline_path=timeline_path,
             timeline_steps=timeline_steps,
             start_method=start_method,
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-            process_group_backend=process_group_backend,
             timeout=timeout,
             **kwargs,
         )
