@@ -86,7 +86,8 @@ def main() -> int:
             rows.append(row)
             after = _survivors(row)
             print(
-                f"{family:32s} {fault:12s} survivors ended after {after} s; hung {row['hung']}, "
+                f"{family:32s} {fault:12s} survivors (s from fault to exit): {after}; "
+                f"hung {row['hung']}, "
                 f"orphans {row['orphans']}, within timeout+30: {row['within_bar']}",
                 flush=True,
             )

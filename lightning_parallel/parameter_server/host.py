@@ -152,7 +152,7 @@ class ShardHost:
                     self.on_lost(worker, reason)
                 log.warning(
                     "parameter-server shard %d: worker rank %d lost (%s); training continues "
-                    "on the %d remaining workers",
+                    "on the %d remaining worker(s)",
                     self.shard,
                     worker,
                     reason,

@@ -451,10 +451,11 @@ class ParameterServerStrategy(ParallelStrategyBase):
         for rank, reason in lost[known:]:
             log.warning(
                 "parameter server: worker rank %d was lost (%s); training continues on the "
-                "%d remaining workers (ranks %s)",
+                "%d remaining worker%s (ranks %s)",
                 rank,
                 reason,
                 len(self.survivors),
+                "" if len(self.survivors) == 1 else "s",
                 self.survivors,
             )
         process_ledger().set_gauge("ps_workers_lost", float(len(gone)))
