@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from lightning_parallel.pipeline.ownership import adopt_tensors
 from lightning_parallel.pipeline.recompute import is_recomputing
 
 __all__: list[str] = []
@@ -137,11 +138,13 @@ def convert_deferred_batch_norm(module: nn.Module) -> dict[str, _BatchNorm]:
 
 
 def restore_batch_norm(module: nn.Module, replaced: dict[str, _BatchNorm]) -> None:
-    """Put back the layers :func:`convert_deferred_batch_norm` replaced (state is shared)."""
+    """Put back the layers :func:`convert_deferred_batch_norm` replaced, with the tensors the
+    replacements hold now (shared during training; a pipeline may have replaced them)."""
     for name, original in replaced.items():
         parent_name, _, attribute = name.rpartition(".")
         parent = module.get_submodule(parent_name)
         current = getattr(parent, attribute)
+        adopt_tensors(original, current)
         original.train(current.training)
         setattr(parent, attribute, original)
 

@@ -1,20 +1,33 @@
-"""Give every rank the whole model: each stage's weights and optimizer state from its owner.
+"""One whole-model checkpoint from stages held on different ranks, one stage at a time.
 
-During pipelined training a rank only updates its own stage; the copies it holds of the other
-stages go stale. A consolidated checkpoint (one that loads under ``ddp`` or on one device), the
-model handed back by a spawn/fork launcher, and evaluation on one rank need them all:
+Each pipeline rank holds only its own stage (:mod:`~lightning_parallel.pipeline.ownership`),
+yet a checkpoint must be one consolidated file that loads under ``ddp`` or on one device.
+:func:`gather_to_root` builds it without any rank holding the whole model:
 
-1. for each stage ``k`` and each dtype, the owner flattens the stage's parameters and buffers
-   into one tensor and broadcasts it; every rank that does not run stage ``k`` copies it in
-   (one broadcast per stage and dtype, not per tensor);
-2. optimizer state (momentum, Adam moments, step counts) of stage ``k``'s parameters is
-   broadcast from the owner as one object per stage (checkpoint time only, off the hot path)
-   and installed in every rank's optimizer, so ``optimizer.state_dict()`` is complete.
+1. for each stage ``k`` in turn, its owner serializes its *pieces* (named weights, optimizer
+   state, other per-stage state: any nested structure of tensors and small values) with
+   ``torch.save`` and sends the bytes to the root (a size, then one ``uint8`` tensor);
+2. the root writes them to a file in a spill folder, drops them, and loads the file back
+   memory-mapped (``torch.load(mmap=True)``): the stage's tensors are then pages of a file,
+   not process memory, and the next stage may come;
+3. the root merges every stage's pieces into its checkpoint and writes it with
+   :func:`save_atomically` (straight to a temporary file beside the target, then renamed: the
+   previous checkpoint stays whole until the new one is complete; Lightning's own writer would
+   first build the whole file in memory).
+
+So the root holds its own stage plus one stage in transit; every other rank its own stage plus
+its serialized copy. :func:`broadcast_stage_state` is the older, all-ranks consolidation that
+engines which keep the whole model on every rank (the DeepSpeed peer) still use.
 """
 
 from __future__ import annotations
 
+import io
+import os
+import shutil
+import tempfile
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -35,6 +48,90 @@ def stage_tensors(module: nn.Module) -> list[torch.Tensor]:
     return tensors
 
 
+def _send_pieces(pieces: Any, root: int, group: dist.ProcessGroup | None) -> None:
+    buffer = io.BytesIO()
+    torch.save(pieces, buffer)
+    payload = torch.frombuffer(bytearray(buffer.getbuffer()), dtype=torch.uint8)
+    del buffer
+    dist.send(torch.tensor([payload.numel()], dtype=torch.int64), dst=root, group=group)
+    dist.send(payload, dst=root, group=group)
+
+
+def _receive_pieces(owner: int, spill: Path, group: dist.ProcessGroup | None) -> Any:
+    size = torch.zeros(1, dtype=torch.int64)
+    dist.recv(size, src=owner, group=group)
+    payload = torch.empty(int(size.item()), dtype=torch.uint8)
+    dist.recv(payload, src=owner, group=group)
+    path = spill / f"from_rank{owner}.pt"
+    with path.open("wb") as stream:
+        stream.write(payload.numpy().data)
+    del payload
+    return torch.load(path, mmap=True, map_location="cpu", weights_only=False)
+
+
+def gather_to_root(
+    pieces: Any,
+    owners: Sequence[int],
+    root: int,
+    spill: Path | None,
+    group: dist.ProcessGroup | None = None,
+) -> list[Any] | None:
+    """Every stage's ``pieces`` on ``root``, one stage in transit at a time (collective over
+    the owners and the root; other ranks return at once).
+
+    Args:
+        pieces: this rank's pieces if it owns a stage in ``owners`` (else ignored).
+        owners: the global rank that owns each stage, in stage order.
+        root: the rank that receives.
+        spill: on the root, the folder received stages are memory-mapped from (must outlive
+            the use of the result).
+        group: a gloo group with every owner and the root (CPU bytes travel).
+
+    Returns:
+        On the root, the pieces of every stage (received ones memory-mapped); elsewhere
+        ``None``.
+    """
+    rank = dist.get_rank() if dist.is_initialized() else root
+    result: list[Any] = []
+    for owner in owners:
+        if owner == root:
+            if rank == root:
+                result.append(pieces)
+            continue
+        if rank == owner:
+            _send_pieces(pieces, root, group)
+        elif rank == root:
+            assert spill is not None, "the root needs a spill folder"
+            spill.mkdir(parents=True, exist_ok=True)
+            stage_spill = spill / f"stage{len(result)}"
+            stage_spill.mkdir(exist_ok=True)
+            result.append(_receive_pieces(owner, stage_spill, group))
+    return result if rank == root else None
+
+
+def save_atomically(checkpoint: Any, path: str | os.PathLike[str]) -> None:
+    """``torch.save(checkpoint, path)`` through a temporary file in the same folder, renamed
+    over ``path`` once complete (readers see the old file or the whole new one)."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
+    try:
+        with os.fdopen(handle, "wb") as stream:
+            torch.save(checkpoint, stream)
+            stream.flush()
+            os.fsync(stream.fileno())
+        os.replace(temporary, target)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+
+
+def remove_spill(spill: Path | None) -> None:
+    """Delete a spill folder (after the checkpoint that maps it was written)."""
+    if spill is not None:
+        shutil.rmtree(spill, ignore_errors=True)
+
+
 @torch.no_grad()
 def broadcast_stage_state(
     stages: Sequence[Sequence[torch.Tensor]],
@@ -42,7 +139,8 @@ def broadcast_stage_state(
     own_stage: int,
     group: dist.ProcessGroup | None = None,
 ) -> None:
-    """Copy every stage's parameters and buffers from global rank ``owners[k]`` to all ranks.
+    """Copy every stage's parameters and buffers from global rank ``owners[k]`` to all ranks
+    (for engines that keep the whole model on every rank).
 
     Args:
         stages: per stage, its parameters and buffers (:func:`stage_tensors`), in the same
@@ -69,36 +167,3 @@ def broadcast_stage_state(
             for tensor in tensors:
                 tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
                 offset += tensor.numel()
-
-
-def broadcast_optimizer_state(
-    optimizer: torch.optim.Optimizer,
-    stages: Sequence[Sequence[torch.Tensor]],
-    owners: Sequence[int],
-    own_stage: int,
-    group: dist.ProcessGroup | None = None,
-) -> None:
-    """Install in ``optimizer`` the state of every stage's parameters, from the stage owners."""
-    rank = dist.get_rank()
-    parameters = [p for param_group in optimizer.param_groups for p in param_group["params"]]
-    index = {id(p): i for i, p in enumerate(parameters)}
-    for stage, (stage_parameters, owner) in enumerate(zip(stages, owners)):
-        positions = [index[id(p)] for p in stage_parameters if id(p) in index]
-        payload: list[Any] = [None]
-        if rank == owner:
-            payload[0] = {
-                i: optimizer.state[parameters[i]]
-                for i in positions
-                if parameters[i] in optimizer.state
-            }
-        dist.broadcast_object_list(payload, src=owner, group=group)
-        if stage == own_stage:
-            continue
-        for position, state in payload[0].items():
-            parameter = parameters[position]
-            optimizer.state[parameter] = {
-                key: value.to(parameter.device)
-                if isinstance(value, torch.Tensor) and value.dim()
-                else value
-                for key, value in state.items()
-            }

@@ -252,6 +252,7 @@ class NoFlushPipeline:
 
     def _forward(self, unit: int, index: int, inputs: Any, loss_fn: LossFunction | None) -> None:
         received: list[Tensor] = []
+        arrived: tuple[Any, ...] = ()
         if not self.first:
             assert self.transport is not None
             start = time.perf_counter()
@@ -260,6 +261,9 @@ class NoFlushPipeline:
                 self._receive_total()
             self._event("wait", unit, start)
             received = list(activation) if isinstance(activation, tuple) else [activation]
+            # a later stage takes the previous stage's output as one argument (a tuple where
+            # a cut carries several tensors: skip connections)
+            arrived = (activation,)
         start = time.perf_counter()
         weights = self.predictor.forward_weights(unit)
         outputs: list[Tensor]
@@ -272,7 +276,7 @@ class NoFlushPipeline:
                 def forward(*model_inputs: Any) -> Any:
                     nonlocal calls
                     calls += 1
-                    arguments = tuple(model_inputs) if self.first else tuple(received)
+                    arguments = tuple(model_inputs) if self.first else arrived
                     return self.module(*arguments)
 
                 loss = loss_fn(forward, index)
@@ -286,7 +290,7 @@ class NoFlushPipeline:
                 outputs = [loss]
                 self.losses.append(loss.detach())
             else:
-                arguments = inputs if self.first else tuple(received)
+                arguments = inputs if self.first else arrived
                 output = self.module(*arguments)
                 outputs, _ = stage_output_tensors(output, self.stage)
         if not self.last:

@@ -238,3 +238,75 @@ def mean_profile(profiles: Sequence[ModelProfile]) -> ModelProfile:
         for i, layer in enumerate(first.layers)
     )
     return ModelProfile(layers, first.input_bytes)
+
+
+#: nominal rates that turn counted floating-point operations and bytes written into seconds
+#: in :func:`estimate_layers`; only ratios between layers matter to the partition
+ESTIMATE_FLOPS_PER_SECOND = 1e10
+ESTIMATE_BYTES_PER_SECOND = 1e10
+
+
+def _meta_like(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        meta = torch.empty_like(value, device="meta")
+        return meta.requires_grad_(meta.is_floating_point())
+    if isinstance(value, tuple):
+        return tuple(_meta_like(item) for item in value)
+    if isinstance(value, list):
+        return [_meta_like(item) for item in value]
+    return value
+
+
+def estimate_layers(layers: Sequence[nn.Module], example_args: tuple[Any, ...]) -> ModelProfile:
+    """Costs of every layer from shapes alone, for a model whose weights are on ``meta``.
+
+    A model too large to build on one rank exists only as shapes until each rank materializes
+    its stage, so its layers cannot be timed. Instead, on meta tensors:
+
+    1. forward time: the floating-point operations of the forward (torch's
+       ``FlopCounterMode``: matrix products and convolutions) at
+       :data:`ESTIMATE_FLOPS_PER_SECOND`, plus the bytes of its output at
+       :data:`ESTIMATE_BYTES_PER_SECOND` (element-wise layers cost memory traffic); backward
+       time: twice that (the input and the weight gradient each cost about one forward);
+    2. activation memory: bytes of the tensors autograd saves for the backward (each tensor
+       once; meta tensors share no storage that could be told apart);
+    3. output and parameter bytes from the shapes.
+
+    The exact dynamic-programming split then balances these estimates.
+    """
+    from torch.utils.flop_counter import FlopCounterMode
+
+    costs = []
+    current: Any = _meta_like(example_args)
+    for index, layer in enumerate(layers):
+        inputs = _meta_like(current)
+        saved: dict[int, int] = {}
+        parameters = {id(p) for p in layer.parameters()}
+
+        def pack(
+            tensor: torch.Tensor, saved: dict[int, int] = saved, parameters: set[int] = parameters
+        ) -> torch.Tensor:
+            base = tensor._base if tensor._base is not None else tensor
+            if id(base) not in parameters:  # a weight (or its transposed view) is not memory
+                saved[id(tensor)] = tensor.numel() * tensor.element_size()
+            return tensor
+
+        counter = FlopCounterMode(display=False)
+        with counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            output = _call(layer, inputs, index == 0)
+        activation = sum(saved.values())
+        forward_seconds = (
+            counter.get_total_flops() / ESTIMATE_FLOPS_PER_SECOND
+            + nbytes(output) / ESTIMATE_BYTES_PER_SECOND
+        )
+        costs.append(
+            LayerCost(
+                forward_seconds=forward_seconds,
+                backward_seconds=2.0 * forward_seconds,
+                activation_bytes=activation,
+                output_bytes=nbytes(output),
+                parameter_bytes=sum(p.numel() * p.element_size() for p in layer.parameters()),
+            )
+        )
+        current = output
+    return ModelProfile(tuple(costs), nbytes(example_args))

@@ -93,6 +93,12 @@ def layer_sequence(
     return traced_layers(module, example_args)
 
 
+def is_deferred(module: nn.Module) -> bool:
+    """Whether any parameter or buffer of ``module`` is on the meta device (deferred
+    initialization: a model built under ``torch.device("meta")``)."""
+    return any(t.is_meta for t in [*module.parameters(), *module.buffers()])
+
+
 def split_stages(layers: Sequence[nn.Module], boundaries: Sequence[int]) -> list[StageModule]:
     """Group ``layers`` into ``len(boundaries) + 1`` stages cut before each boundary index.
 
@@ -210,6 +216,11 @@ def traced_layers(module: nn.Module, example_args: tuple[Any, ...]) -> list[nn.M
         Graph modules sharing ``module``'s parameters; chained, they compute ``module``.
     """
     graph_module = _trace(module)
+    if is_deferred(module):  # weights only as shapes: propagate shapes on meta inputs
+        example_args = tuple(
+            torch.empty_like(a, device="meta") if isinstance(a, torch.Tensor) else a
+            for a in example_args
+        )
     was_training = module.training
     module.eval()  # shape propagation must not move BatchNorm running statistics
     try:

@@ -31,6 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_parallel.pipeline.ownership import adopt_tensors
+
 __all__: list[str] = []
 
 _state = threading.local()
@@ -128,11 +130,14 @@ def convert_deferred_weight_gradients(module: nn.Module) -> dict[str, nn.Linear]
 
 
 def restore_linear(module: nn.Module, replaced: dict[str, nn.Linear]) -> None:
-    """Put back the layers :func:`convert_deferred_weight_gradients` replaced."""
+    """Put back the layers :func:`convert_deferred_weight_gradients` replaced, with the tensors
+    the replacements hold now (a pipeline may have moved or replaced them meanwhile)."""
     for name, original in replaced.items():
         parent_name, _, attribute = name.rpartition(".")
         parent = module.get_submodule(parent_name)
-        original.train(getattr(parent, attribute).training)
+        current = getattr(parent, attribute)
+        adopt_tensors(original, current)
+        original.train(current.training)
         setattr(parent, attribute, original)
 
 

@@ -138,6 +138,7 @@ class ParallelStrategyBase(DDPStrategy):
             **kwargs,
         )
         self._liveness: Liveness | None = None
+        self.returns_model_to_parent = False
         #: the run raised (on_exception): teardown waits for nothing a lost peer may block
         self.failed = False
         self._restore_sigterm: Callable[[], None] | None = None
@@ -188,7 +189,11 @@ class ParallelStrategyBase(DDPStrategy):
         # Lightning calls this when the Trainer is built, once the devices and nodes are known
         # and before any process starts: the place for checks that need the world size
         self.check_world_size(self.num_processes * self.num_nodes)
-        set_launcher(self, make_launcher(self, start_method(self), self.launched_externally()))
+        external = self.launched_externally()
+        #: the processes are started here by spawn/fork, and rank 0 hands the trained model
+        #: back to the parent process (Lightning's multiprocessing launcher)
+        self.returns_model_to_parent = not external and start_method(self) != "popen"
+        set_launcher(self, make_launcher(self, start_method(self), external))
 
     def check_world_size(self, world_size: int) -> None:
         """Raise ``ValueError`` (naming the fix) if the strategy cannot run on ``world_size``

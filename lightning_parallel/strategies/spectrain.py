@@ -14,12 +14,14 @@ the share ρ of the optimizer's learning rate that keeps the synchronous stabili
 tolerates a far smaller step, ρ = 0.071 for v2 at τ = 1, μ = 0.9; prediction alone does not
 restore it).
 
-It reuses the ``gropipe`` integration (it subclasses :class:`GroPipeStrategy`): placement (the
-last stage of group 0 is global rank 0), partitioning, capture of the model input on stage 0,
-``forward`` patched on the last stage so the user's ``training_step`` computes the loss of the
-pipeline output, validation/test/predict as pipelined forwards, per-group samplers,
-consolidated checkpoints that load under ``ddp`` or on one device. What differs, per training
-step on every rank:
+It shares the Lightning integration of every pipeline here
+(:class:`~lightning_parallel.strategies.pipeline_base.PipelineStrategyBase`): placement (the
+last stage of group 0 is global rank 0), partitioning, stage ownership (a rank holds only its
+stage), capture of the model input on stage 0, ``forward`` patched on the last stage so the
+user's ``training_step`` computes the loss of the pipeline output, validation/test/predict as
+pipelined forwards, per-group samplers, consolidated checkpoints that load under ``ddp`` or on
+one device (each stage's predictor state in them too). What differs, per training step on
+every rank:
 
 1. split the batch into ``micro_batches`` units and run them through the no-flush runtime: for
    each unit, the forward of this unit and the backward of the one ``N-k-1`` units older, then
@@ -41,13 +43,11 @@ newest update whose total is known); by value is local. ``accumulate_grad_batche
 
 from __future__ import annotations
 
-import json
 import math
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import pytorch_lightning as pl
@@ -57,21 +57,22 @@ from pytorch_lightning.callbacks import Callback
 from pytorch_lightning.trainer.states import TrainerFn
 from torch import Tensor, nn
 from torch.distributed.constants import default_pg_timeout as DEFAULT_TIMEOUT
+from typing_extensions import override
 
 from lightning_parallel.comm.groups import new_group
 from lightning_parallel.comm.ledger import process_ledger
 from lightning_parallel.compat import register_strategy
+from lightning_parallel.pipeline.grad_sync import PartitionGradientSync
 from lightning_parallel.pipeline.microbatch import batch_size, split_microbatches
 from lightning_parallel.pipeline.noflush import NoFlushPipeline
 from lightning_parallel.pipeline.summary import LoggedValue, LogRecorder
-from lightning_parallel.pipeline.timeline import events_to_dicts, plot_timeline
 from lightning_parallel.pipeline.weight_prediction import (
     PREDICTION_MODES,
     LearningRateForecast,
     ScheduledLearningRate,
     make_weight_predictor,
 )
-from lightning_parallel.strategies.gropipe import GroPipeStrategy, _patched
+from lightning_parallel.strategies.pipeline_base import PipelineStrategyBase, patched
 
 __all__: list[str] = []
 
@@ -160,8 +161,7 @@ class _AsyncMirror:
 
 
 class _DrainAtEpochEnd(Callback):
-    """Drain the pipeline at the end of every training epoch; carry predictor state in
-    checkpoints."""
+    """Drain the pipeline at the end of every training epoch."""
 
     def __init__(self, strategy: SpecTrainStrategy) -> None:
         self.strategy = strategy
@@ -169,14 +169,8 @@ class _DrainAtEpochEnd(Callback):
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.strategy.drain()
 
-    def state_dict(self) -> dict[str, Any]:
-        return self.strategy.pipeline_state()
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.strategy.load_pipeline_state(state_dict)
-
-
-class SpecTrainStrategy(GroPipeStrategy):
+class SpecTrainStrategy(PipelineStrategyBase):
     """Train any LightningModule as asynchronous no-flush pipelines with weight prediction.
 
     Args:
@@ -261,10 +255,7 @@ class SpecTrainStrategy(GroPipeStrategy):
         super().__init__(
             stages=stages,
             micro_batches=micro_batches,
-            schedule="1f1b",
             partition=partition,
-            recompute="never",
-            deferred_batch_norm=False,  # every unit is its own mini-batch: plain BatchNorm
             timeline_path=timeline_path,
             timeline_steps=timeline_steps,
             start_method=start_method,
@@ -301,6 +292,7 @@ class SpecTrainStrategy(GroPipeStrategy):
         if self._callback not in callbacks:
             callbacks.append(self._callback)
 
+    @override
     def setup_environment(self) -> None:
         super().setup_environment()
         # before Lightning restores callback state from a checkpoint (that precedes setup())
@@ -312,6 +304,7 @@ class SpecTrainStrategy(GroPipeStrategy):
                 for group in range(self._topology.groups)
             ]
 
+    @override
     def setup(self, trainer: pl.Trainer) -> None:
         if trainer.state.fn == TrainerFn.FITTING and trainer.accumulate_grad_batches != 1:
             raise ValueError(
@@ -328,8 +321,16 @@ class SpecTrainStrategy(GroPipeStrategy):
         self._attach_callback()
         self._noflush = None
         self._mirror = None
+        setattr(self.precision_plugin, "clip_grad_by_norm", self._clip_grad_by_norm)  # noqa: B010
 
+    @override
+    def gradient_sync(self, parameters: list[nn.Parameter]) -> PartitionGradientSync | None:
+        return None  # the no-flush runtime averages every update across groups itself
+
+    @override
     def teardown(self) -> None:
+        if "clip_grad_by_norm" in vars(self.precision_plugin):
+            delattr(self.precision_plugin, "clip_grad_by_norm")
         self._noflush = None
         self._mirror = None
         super().teardown()
@@ -362,7 +363,7 @@ class SpecTrainStrategy(GroPipeStrategy):
         assert module is not None
         k = self.stage_index
         optimizer = self.optimizers[0]
-        owned = self._pipeline.owned_parameters[k]
+        owned = self._pipeline.owned_parameters
         predictor = make_weight_predictor(
             self.prediction,
             owned,
@@ -396,7 +397,7 @@ class SpecTrainStrategy(GroPipeStrategy):
             and module.trainer.gradient_clip_algorithm in (None, "norm"),
         )
         if self._loaded_state is not None:
-            self._noflush.load_state_dict(self._loaded_state["stages"][k])
+            self._noflush.load_state_dict(self._loaded_state)
             self._loaded_state = None
         if self.stages > 1:
             assert self._mirror_groups is not None
@@ -410,6 +411,7 @@ class SpecTrainStrategy(GroPipeStrategy):
 
     # -- the training step ---------------------------------------------------------------------
 
+    @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         module = self.lightning_module
         assert module is not None
@@ -423,8 +425,8 @@ class SpecTrainStrategy(GroPipeStrategy):
         inputs = None
         if (first and not last) or self._pipeline is None:
             parts = micro if first and not last else micro[:1]
-            inputs = [self._capture("training_step", part, hook_args) for part in parts]
-        self._ensure_pipeline(inputs[0] if inputs else ())
+            inputs = [self.capture("training_step", part, hook_args) for part in parts]
+        self.ensure_pipeline(inputs[0] if inputs else ())
         noflush = self._ensure_noflush(count)
         recorder = LogRecorder()
         results: dict[int, Any] = {}
@@ -432,8 +434,8 @@ class SpecTrainStrategy(GroPipeStrategy):
         def loss_fn(forward: Any, index: int) -> Tensor:
             recorder.start_micro_batch(sizes[index] / total)
             with (
-                _patched(self._body, "forward", lambda *a, **k: forward(*a)),
-                _patched(module, "log", recorder.log),
+                patched(self._body, "forward", lambda *a, **k: forward(*a)),
+                patched(module, "log", recorder.log),
             ):
                 result = module.training_step(micro[index], *hook_args)
             results[index] = result
@@ -454,7 +456,7 @@ class SpecTrainStrategy(GroPipeStrategy):
         loss = sum(float(v) * n / total for v, n in zip(losses, sizes)) if last else math.nan
         logged = recorder.combined() if last else []
         if last:
-            self._replay(logged)
+            self.replay(logged)
         self._exchange(loss, logged, trainer)
         self._keep_timeline()
         if not last:
@@ -497,7 +499,7 @@ class SpecTrainStrategy(GroPipeStrategy):
         if mirrored is None:
             return
         if replay:
-            self._replay(mirrored.logged)
+            self.replay(mirrored.logged)
         self._publish(mirrored)
 
     def _publish(self, mirrored: _Mirrored) -> None:
@@ -529,23 +531,11 @@ class SpecTrainStrategy(GroPipeStrategy):
             del events[: len(events) - 10_000]
         self._timeline_from = len(events)
 
-    def _write_timeline(self, path: Path) -> None:
-        """Gather every rank's measured events of the last steps; rank 0 writes them."""
-        events = [event for step in self.timeline for event in step]
-        gathered: list[Any] = [events]
-        if self.world_size > 1:
-            gathered = [None] * self.world_size
-            dist.all_gather_object(gathered, events)
-        if self.global_rank != 0:
-            return
-        everything = [event for rank_events in gathered for event in rank_events]
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if path.suffix == ".png":
-            title = f"SpecTrain, no flush, N={self.stages}, prediction={self.prediction}"
-            plot_timeline(everything, path, title=title)
-        else:
-            path.write_text(json.dumps(events_to_dicts(everything)))
+    @override
+    def timeline_title(self) -> str:
+        return f"SpecTrain, no flush, N={self.stages}, prediction={self.prediction}"
 
+    @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         """Nothing to do: the pipeline back-propagated and updated inside ``training_step``."""
         module = self.lightning_module
@@ -553,6 +543,7 @@ class SpecTrainStrategy(GroPipeStrategy):
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
         return self.precision_plugin.post_backward(closure_loss, module)
 
+    @override
     def optimizer_step(
         self,
         optimizer: Any,
@@ -568,10 +559,7 @@ class SpecTrainStrategy(GroPipeStrategy):
         on stage 0; see :meth:`NoFlushPipeline._exchange_norms`), without a blocking collective:
         Lightning broadcasts from rank 0 at every step, so a per-update allreduce across stages
         that are at different updates would deadlock."""
-        if self._noflush is None:
-            super()._clip_grad_by_norm(optimizer, clip_val)
-            return
-        if not self._noflush.track_norms:
+        if self._noflush is None or not self._noflush.track_norms:
             raise RuntimeError(
                 "gradient clipping by norm was not announced to the pipeline; set "
                 "Trainer(gradient_clip_val=...) rather than clipping by norm from a hook"
@@ -591,45 +579,42 @@ class SpecTrainStrategy(GroPipeStrategy):
             self._noflush.drain()
             self._complete(replay=False)
 
+    @override
     def on_validation_start(self) -> None:
         self.drain()
         super().on_validation_start()
 
+    @override
     def on_train_end(self) -> None:
         self.drain()
         super().on_train_end()
 
+    @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         self.drain()
         return super().lightning_module_state_dict()
 
+    @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         self.drain()
         return super().optimizer_state(optimizer)
 
     # -- strategy state in checkpoints ---------------------------------------------------------
 
-    def pipeline_state(self) -> dict[str, Any]:
-        """Every stage's runtime and predictor state (collective; rank 0's copy is complete)."""
+    @override
+    def stage_state(self) -> dict[str, Any]:
+        """This stage's runtime and predictor state (the checkpoint keeps every stage's)."""
         self.drain()
-        own = self._noflush.state_dict() if self._noflush is not None else None
-        states: list[Any] = [own]
-        if self.world_size > 1 and dist.is_available() and dist.is_initialized():
-            states = [None] * self.world_size
-            dist.all_gather_object(states, own)
-        if self._topology is None or any(s is None for s in states):
+        if self._noflush is None:
             return {}
-        by_stage = [states[self._topology.rank(0, k)] for k in range(self.stages)]
-        return {"prediction": self.prediction, "stages": by_stage}
+        return {"prediction": self.prediction, "state": self._noflush.state_dict()}
 
-    def load_pipeline_state(self, state: dict[str, Any]) -> None:
-        """Resume the predictor state saved by :meth:`pipeline_state` (applied at the first
-        training batch, when the pipeline is built)."""
-        if not state or state.get("prediction") != self.prediction:
-            return
-        if len(state["stages"]) != self.stages:
-            return
-        self._loaded_state = state
+    @override
+    def load_stage_state(self, state: dict[str, Any]) -> None:
+        """Resume the predictor state of :meth:`stage_state` (applied when the no-flush
+        runtime is built, at the first training batch)."""
+        if state and state.get("prediction") == self.prediction:
+            self._loaded_state = state["state"]
 
 
 register_strategy(

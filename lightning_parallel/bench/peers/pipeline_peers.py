@@ -35,7 +35,8 @@ from lightning_parallel.pipeline.grad_sync import SyncTiming
 from lightning_parallel.pipeline.microbatch import merge_microbatches
 from lightning_parallel.pipeline.runtime import StepStatistics
 from lightning_parallel.pipeline.summary import SummaryResult
-from lightning_parallel.strategies.gropipe import GroPipeStrategy, _Pipeline
+from lightning_parallel.strategies.gropipe import GroPipeStrategy
+from lightning_parallel.strategies.pipeline_base import Pipeline
 
 __all__: list[str] = []
 
@@ -60,7 +61,7 @@ class TorchPipeliningStrategy(GroPipeStrategy):
         self._torch_count = 0
 
     def _build_schedule(
-        self, pipeline: _Pipeline, count: int, loss: Callable[[Tensor, Tensor], Tensor]
+        self, pipeline: Pipeline, count: int, loss: Callable[[Tensor, Tensor], Tensor]
     ) -> Any:
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
@@ -82,9 +83,9 @@ class TorchPipeliningStrategy(GroPipeStrategy):
         kind = ScheduleGPipe if self.schedule.name == "gpipe" else Schedule1F1B
         return kind(stage, n_microbatches=count, loss_fn=loss, scale_grads=False)
 
-    def _run_training(
+    def run_schedule(
         self,
-        pipeline: _Pipeline,
+        pipeline: Pipeline,
         batch: Any,
         count: int,
         inputs: list[tuple[Any, ...]] | None,
@@ -121,11 +122,11 @@ class TorchPipeliningStrategy(GroPipeStrategy):
         stats.step_seconds = time.perf_counter() - start
         return stats
 
-    def _finish_gradients(self, pipeline: _Pipeline) -> SyncTiming:
+    def finish_gradients(self, pipeline: Pipeline) -> SyncTiming:
         """Average the stage's gradients across groups, after the pipeline (blocking)."""
         if self.groups == 1 or self._groups is None:
             return SyncTiming()
-        grads = [p.grad for p in pipeline.owned_parameters[self.stage_index] if p.grad is not None]
+        grads = [p.grad for p in pipeline.owned_parameters if p.grad is not None]
         if not grads:
             return SyncTiming()
         start = time.perf_counter()
@@ -139,7 +140,7 @@ class TorchPipeliningStrategy(GroPipeStrategy):
         seconds = time.perf_counter() - start
         return SyncTiming(seconds, seconds, bucket.numel() * bucket.element_size(), start)
 
-    def _record(self, summary: SummaryResult, stats: StepStatistics, count: int) -> None:
+    def record(self, summary: SummaryResult, stats: StepStatistics, count: int) -> None:
         self.last_summary = summary
         ledger = process_ledger()
         ledger.set_gauge("pipeline_step_seconds", max(summary.step_seconds))
@@ -167,6 +168,8 @@ class DeepSpeedPipeStrategy(GroPipeStrategy):
         partition_method: DeepSpeed's ``partition_method`` (default ``"parameters"``).
         **kwargs: passed to :class:`GroPipeStrategy` (``start_method``, ...).
     """
+
+    owns_stages = False  # DeepSpeed's engine takes the whole layer list and keeps its part
 
     def __init__(
         self,
@@ -223,6 +226,9 @@ class DeepSpeedPipeStrategy(GroPipeStrategy):
         optimizer = getattr(optimizer, "_optimizer", optimizer)
         engine, _, _, _ = deepspeed.initialize(model=pipe, optimizer=optimizer, config=config)
         return engine
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """DeepSpeed builds its own stages (in the first ``training_step``)."""
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         batch = args[0]

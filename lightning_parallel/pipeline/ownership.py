@@ -1,0 +1,235 @@
+"""Each rank keeps only its own stage: other stages' tensors go to the meta device.
+
+A pipeline rank runs one stage, so it needs that stage's parameters, their gradients and their
+optimizer state, and nothing else of the model. Once the split is known:
+
+1. :func:`release_unowned` replaces every parameter and buffer that the rank does not own by a
+   tensor of the same shape and dtype on the ``meta`` device (no memory), everywhere the model
+   (or a stage built from it) refers to it, so the real tensor is freed;
+2. :func:`materialize` gives the owned tensors that were created on ``meta`` (deferred
+   initialization: a model built under ``torch.device("meta")``) real storage on the rank's
+   device and initializes them with each module's own ``reset_parameters()``;
+3. :func:`restrict_optimizer` rebuilds the user's optimizer (its class, defaults and every
+   parameter group's hyperparameters, group by group, so that learning-rate schedulers keep
+   their group indices) over the owned parameters only, carrying their state over.
+
+Each owned tensor is known by its name in the model (``model.named_parameters()``), which stays
+the same on every rank and in checkpoints; :class:`TensorNames` keeps the map.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+__all__: list[str] = []
+
+
+@dataclass
+class TensorNames:
+    """Names of a model's parameters and buffers, each tensor once (its first name)."""
+
+    parameters: dict[str, nn.Parameter] = field(default_factory=dict)
+    buffers: dict[str, Tensor] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, model: nn.Module) -> TensorNames:
+        names = cls()
+        seen: set[int] = set()
+        for name, parameter in model.named_parameters(remove_duplicate=False):
+            if id(parameter) not in seen:
+                seen.add(id(parameter))
+                names.parameters[name] = parameter
+        for name, buffer in model.named_buffers(remove_duplicate=False):
+            if id(buffer) not in seen:
+                seen.add(id(buffer))
+                names.buffers[name] = buffer
+        return names
+
+    def name_of(self) -> dict[int, str]:
+        """``id(tensor) -> name`` for every tensor."""
+        return {id(t): n for n, t in [*self.parameters.items(), *self.buffers.items()]}
+
+
+def _meta_like(tensor: Tensor) -> Tensor:
+    meta = torch.empty_like(tensor, device="meta")
+    if isinstance(tensor, nn.Parameter):
+        return nn.Parameter(meta, requires_grad=tensor.requires_grad)
+    return meta
+
+
+def _replace(
+    modules: Iterable[nn.Module], decide: Callable[[Tensor], Tensor | None]
+) -> dict[int, Tensor]:
+    """Swap tensors in every module's parameter and buffer slots; ``decide`` returns the new
+    tensor for one (or ``None``: keep it). The same tensor gets the same replacement wherever
+    it appears (tied weights stay tied). Returns ``id(old) -> new``."""
+    replaced: dict[int, Tensor] = {}
+    done: set[int] = set()
+    for module in modules:
+        if id(module) in done:
+            continue
+        done.add(id(module))
+        for slots in (module._parameters, module._buffers):
+            for name, tensor in list(slots.items()):
+                if tensor is None:
+                    continue
+                if id(tensor) not in replaced:
+                    new = decide(tensor)
+                    if new is None:
+                        continue
+                    replaced[id(tensor)] = new
+                slots[name] = replaced[id(tensor)]  # type: ignore[assignment]
+    return replaced
+
+
+def _all_modules(roots: Iterable[nn.Module]) -> list[nn.Module]:
+    return [module for root in roots for module in root.modules()]
+
+
+def release_unowned(roots: Sequence[nn.Module], keep: Iterable[Tensor]) -> int:
+    """Move every parameter and buffer of ``roots`` (and their submodules) that is not in
+    ``keep`` to the meta device. Returns the bytes released."""
+    kept = {id(t) for t in keep}
+    released = 0
+
+    def decide(tensor: Tensor) -> Tensor | None:
+        nonlocal released
+        if id(tensor) in kept or tensor.is_meta:
+            return None
+        released += tensor.numel() * tensor.element_size()
+        return _meta_like(tensor)
+
+    _replace(_all_modules(roots), decide)
+    return released
+
+
+@torch.no_grad()
+def materialize(
+    roots: Sequence[nn.Module], wanted: Iterable[Tensor], device: torch.device
+) -> list[str]:
+    """Give the meta tensors among ``wanted`` real storage on ``device`` and initialize them.
+
+    Every submodule of ``roots`` that holds one of them and defines ``reset_parameters()``
+    (every ``torch.nn`` layer does) is reset; a module holding one without such a method would
+    keep uninitialized values, so its class name is returned (the caller refuses it).
+    """
+    targets = {id(t) for t in wanted if t.is_meta}
+    if not targets:
+        return []
+    modules = _all_modules(roots)
+    touched = [
+        module
+        for module in modules
+        if any(
+            t is not None and id(t) in targets
+            for t in [*module._parameters.values(), *module._buffers.values()]
+        )
+    ]
+
+    def decide(tensor: Tensor) -> Tensor | None:
+        if id(tensor) not in targets:
+            return None
+        real = torch.empty_like(tensor, device=device)
+        if isinstance(tensor, nn.Parameter):
+            return nn.Parameter(real, requires_grad=tensor.requires_grad)
+        return real
+
+    _replace(modules, decide)
+    uninitialized = []
+    for module in {id(m): m for m in touched}.values():
+        reset = getattr(module, "reset_parameters", None)
+        if callable(reset):
+            reset()
+        else:
+            uninitialized.append(type(module).__name__)
+    return uninitialized
+
+
+def restrict_optimizer(
+    optimizer: torch.optim.Optimizer, keep: Mapping[int, nn.Parameter]
+) -> torch.optim.Optimizer:
+    """``optimizer``'s class, defaults and parameter groups over the parameters in ``keep``.
+
+    Args:
+        optimizer: the user's optimizer over the whole model.
+        keep: ``id(parameter in optimizer) -> parameter to train``: the owned ones (the same
+            object, or its materialized replacement). Groups left without a parameter stay, so
+            that learning-rate schedulers keep their group indices.
+
+    Raises:
+        TypeError: the optimizer class cannot be rebuilt as ``cls(param_groups, **defaults)``.
+    """
+    groups: list[dict[str, Any]] = []
+    for group in optimizer.param_groups:
+        settings = {key: value for key, value in group.items() if key != "params"}
+        kept = [keep[id(p)] for p in group["params"] if id(p) in keep]
+        groups.append({**settings, "params": kept})
+    try:
+        restricted = type(optimizer)(groups, **optimizer.defaults)
+    except TypeError as error:
+        raise TypeError(
+            f"the pipeline rebuilds {type(optimizer).__name__} over the stage's own parameters "
+            f"as {type(optimizer).__name__}(param_groups, **defaults), which failed: {error}; "
+            "use an optimizer whose constructor accepts its own defaults (every torch.optim one "
+            "does)"
+        ) from error
+    for group in optimizer.param_groups:
+        for parameter in group["params"]:
+            state = optimizer.state.get(parameter)
+            if id(parameter) in keep and state:
+                restricted.state[keep[id(parameter)]] = state
+    return restricted
+
+
+def adopt_tensors(original: nn.Module, current: nn.Module) -> None:
+    """Point ``original``'s parameter and buffer slots at ``current``'s tensors of the same
+    names (a layer that stood in for ``original`` goes; its tensors, maybe moved to ``meta`` or
+    materialized meanwhile, stay)."""
+    for slots, now in (
+        (original._parameters, current._parameters),
+        (original._buffers, current._buffers),
+    ):
+        for key in slots:
+            if key in now:
+                slots[key] = now[key]  # type: ignore[assignment]
+
+
+def held_bytes(
+    module: nn.Module, optimizers: Sequence[torch.optim.Optimizer] = ()
+) -> dict[str, int]:
+    """Bytes of parameters, gradients and optimizer state this process really holds.
+
+    Tensors on the meta device hold nothing and are skipped; each storage counts once.
+    """
+    seen: set[tuple[str, int]] = set()
+
+    def size(tensors: Iterable[Any]) -> int:
+        total = 0
+        for tensor in tensors:
+            if not isinstance(tensor, Tensor) or tensor.is_meta:
+                continue
+            storage = tensor.untyped_storage()
+            key = (str(tensor.device), storage.data_ptr())
+            if key in seen:
+                continue
+            seen.add(key)
+            total += storage.nbytes()
+        return total
+
+    parameters = list(module.parameters())
+    states = [
+        value
+        for optimizer in optimizers
+        for state in optimizer.state.values()
+        for value in state.values()
+    ]
+    return {
+        "param_bytes": size(parameters),
+        "grad_bytes": size(p.grad for p in parameters),
+        "optimizer_bytes": size(states),
+    }
