@@ -233,3 +233,104 @@ def held_bytes(
         "grad_bytes": size(p.grad for p in parameters),
         "optimizer_bytes": size(states),
     }
+
+
+class TiedAcrossStagesError(ValueError):
+    """A tensor is used by two stages; the message names the fix."""
+
+
+def stage_tensors_owned(model: nn.Module, stages: Sequence[nn.Module], stage: int) -> list[Tensor]:
+    """The tensors stage ``stage`` owns: its own; the last stage also every tensor of ``model``
+    outside the stages (those used after the split body, in the loss, run there).
+
+    Raises:
+        TiedAcrossStagesError: a tensor used by two stages (tied weights across stages).
+    """
+    where: dict[int, int] = {}
+    per_stage: list[list[Tensor]] = []
+    for index, stage_module in enumerate(stages):
+        tensors = _distinct_tensors(stage_module)
+        for tensor in tensors:
+            if where.setdefault(id(tensor), index) != index:
+                raise TiedAcrossStagesError(
+                    f"a tensor of shape {tuple(tensor.shape)} is used by stages "
+                    f"{where[id(tensor)]} and {index} (tied weights); a pipeline keeps each "
+                    "tensor on one stage: untie it, or choose boundaries that keep its uses in "
+                    "one stage (partition=[...])"
+                )
+        per_stage.append(tensors)
+    owned = list(per_stage[stage])
+    if stage == len(stages) - 1:
+        owned += [t for t in _distinct_tensors(model) if id(t) not in where]
+    return owned
+
+
+def _distinct_tensors(module: nn.Module) -> list[Tensor]:
+    seen: set[int] = set()
+    tensors = []
+    for tensor in [*module.parameters(), *module.buffers()]:
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            tensors.append(tensor)
+    return tensors
+
+
+@dataclass
+class Ownership:
+    """What :func:`take_ownership` did on this rank.
+
+    Attributes:
+        owned: the stage's tensors (materialized where they were on ``meta``).
+        names: the model's name of each tensor of ``owned``.
+        replaced: ``id(tensor before) -> tensor now`` for the owned tensors that materializing
+            replaced (an optimizer built before refers to the old ones).
+        released_bytes: bytes of the other stages' tensors let go.
+        materialized: whether the stage was created from ``meta``.
+    """
+
+    owned: list[Tensor]
+    names: list[str]
+    replaced: dict[int, Tensor]
+    released_bytes: int
+    materialized: bool
+
+
+def take_ownership(
+    model: nn.Module,
+    stages: Sequence[nn.Module],
+    stage: int,
+    device: torch.device,
+    also: Sequence[nn.Module] = (),
+) -> Ownership:
+    """Keep stage ``stage`` of ``model`` on this rank: release every other tensor to ``meta``
+    and materialize the stage's own meta tensors on ``device`` (steps 1 and 2 of the module
+    docstring).
+
+    Args:
+        model: the whole model.
+        stages: its stages (modules that share its tensors).
+        stage: this rank's stage.
+        device: where a meta stage is materialized.
+        also: modules outside ``model`` that refer to its tensors (layers an engine replaced
+            and will put back).
+
+    Raises:
+        TiedAcrossStagesError: a tensor used by two stages.
+        ValueError: a meta tensor in a module without ``reset_parameters()`` (named).
+    """
+    owned = stage_tensors_owned(model, stages, stage)
+    name_of = TensorNames.of(model).name_of()
+    names = [name_of[id(t)] for t in owned]
+    deferred = any(t.is_meta for t in owned)
+    roots = [model, *stages, *also]
+    released = release_unowned(roots, owned)
+    uninitialized = materialize(roots, owned, device)
+    if uninitialized:
+        raise ValueError(
+            f"stage {stage} holds tensors created on the meta device in modules without "
+            f"reset_parameters(): {sorted(set(uninitialized))}; give them a reset_parameters() "
+            "that initializes every parameter and buffer"
+        )
+    now = stage_tensors_owned(model, stages, stage)  # the same order, materialized
+    replaced = {id(old): new for old, new in zip(owned, now) if old is not new}
+    return Ownership(now, names, replaced, released, deferred)

@@ -196,6 +196,8 @@ def profile_layers(
                 if deferred:
                     backward_seconds += _shared_flush_seconds(deferred, micro_batches, repeats)
                 layer_parameters = list(layer.parameters())
+                for parameter in layer_parameters:  # never the whole model's gradients at once
+                    parameter.grad = None
                 costs.append(
                     LayerCost(
                         forward_seconds=forward_seconds,

@@ -58,6 +58,11 @@ from lightning_parallel.comm.groups import new_group
 from lightning_parallel.comm.ledger import process_ledger
 from lightning_parallel.comm.modules import broadcast_module_states, reduce_tensor
 from lightning_parallel.compat.types import StrPath
+from lightning_parallel.pipeline.checkpoint_layout import (
+    load_whole_model_layout,
+    merge_stages,
+    whole_model_layout,
+)
 from lightning_parallel.pipeline.consolidate import (
     gather_to_root,
     remove_spill,
@@ -66,10 +71,12 @@ from lightning_parallel.pipeline.consolidate import (
 from lightning_parallel.pipeline.grad_sync import PartitionGradientSync
 from lightning_parallel.pipeline.microbatch import merge_microbatches, split_microbatches
 from lightning_parallel.pipeline.ownership import (
+    Ownership,
     TensorNames,
-    materialize,
-    release_unowned,
+    TiedAcrossStagesError,
     restrict_optimizer,
+    stage_tensors_owned,
+    take_ownership,
 )
 from lightning_parallel.pipeline.partition import PartitionError, PartitionPlan, partition
 from lightning_parallel.pipeline.profile import (
@@ -440,27 +447,22 @@ class PipelineStrategyBase(ParallelStrategyBase):
             boundaries, plan = self._choose_boundaries(layers, example)
         stages = split_stages(layers, boundaries)
         k = self.stage_index
-        owned = _stage_ownership(module, stages, k)
-        names = TensorNames.of(module).name_of()  # before any tensor is replaced
-        owned_names = [names[id(t)] for t in owned]
-        released, replaced = 0, {}
-        if self.owns_stages:
-            deferred = any(t.is_meta for t in owned)
-            roots = [module, *stages, *self.held_elsewhere()]
-            released = release_unowned(roots, owned)
-            uninitialized = materialize(roots, owned, self.root_device)
-            if uninitialized:
-                raise PipelineSplitError(
-                    f"stage {k} holds tensors created on the meta device in modules without "
-                    f"reset_parameters(): {sorted(set(uninitialized))}; give them a "
-                    "reset_parameters() that initializes every parameter and buffer"
+        # every tensor's name before any is replaced: the user's optimizer refers to these
+        self._names = TensorNames.of(module).name_of()
+        try:
+            if self.owns_stages:
+                ownership = take_ownership(
+                    module, stages, k, self.root_device, also=self.held_elsewhere()
                 )
-            materialized = _stage_ownership(module, stages, k)  # same order, new objects
-            replaced = {id(old): new for old, new in zip(owned, materialized) if old is not new}
-            owned = materialized
-            if deferred:
-                self._sync_materialized(owned)
-        self._names, self._replaced = names, replaced
+            else:
+                owned = stage_tensors_owned(module, stages, k)
+                ownership = Ownership(owned, [self._names[id(t)] for t in owned], {}, 0, False)
+        except (TiedAcrossStagesError, ValueError) as error:
+            raise PipelineSplitError(str(error)) from error
+        owned, owned_names, released = ownership.owned, ownership.names, ownership.released_bytes
+        self._replaced = ownership.replaced
+        if ownership.materialized:
+            self._sync_materialized(owned)
         runtime, summary = self._build_runtime(stages, owned)
         self._boundaries, self.partition_plan = boundaries, plan
         for index, boundary in enumerate(boundaries):  # which split ran, in every record
@@ -704,22 +706,12 @@ class PipelineStrategyBase(ParallelStrategyBase):
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         """This rank's part of the optimizer state, in the layout of the user's optimizer over
-        the whole model (parameters numbered as ``configure_optimizers`` listed them)."""
+        the whole model (:mod:`~lightning_parallel.pipeline.checkpoint_layout`)."""
         inner = getattr(optimizer, "_optimizer", optimizer)
         names = getattr(inner, "_lp_parameter_names", None)
-        state = inner.state_dict()
         if names is None or self._pipeline is None:
-            return state
-        position = {name: i for i, name in enumerate(n for group in names for n in group)}
-        name_of = self._pipeline.name_of
-        mine = [name_of[id(p)] for group in inner.param_groups for p in group["params"]]
-        own_state = {position[mine[i]]: value for i, value in state["state"].items()}
-        groups, start = [], 0
-        for saved, group_names in zip(state["param_groups"], names):
-            indices = list(range(start, start + len(group_names)))
-            start += len(group_names)
-            groups.append({**{k: v for k, v in saved.items() if k != "params"}, "params": indices})
-        return {"state": own_state, "param_groups": groups}
+            return inner.state_dict()
+        return whole_model_layout(inner, names, self._pipeline.name_of)
 
     @override
     def save_checkpoint(
@@ -749,25 +741,8 @@ class PipelineStrategyBase(ParallelStrategyBase):
                 group=self._cpu_group,
             )
             if gathered is not None:  # rank 0
-                merged = dict(checkpoint)
                 order = list(self.lightning_module.state_dict())  # type: ignore[union-attr]
-                weights: dict[str, Any] = {}
-                for part in gathered:
-                    weights.update(part["state_dict"])
-                merged["state_dict"] = {k: weights[k] for k in order if k in weights}
-                merged["optimizer_states"] = [
-                    {
-                        **saved,
-                        "state": dict(
-                            sorted(
-                                (i, v)
-                                for part in gathered
-                                for i, v in part["optimizer_states"][n].items()
-                            )
-                        ),
-                    }
-                    for n, saved in enumerate(checkpoint.get("optimizer_states", []))
-                ]
+                merged = merge_stages(checkpoint, gathered, order)
                 merged["pipeline"] = {
                     "boundaries": list(self._pipeline.boundaries),
                     "stages": [part["stage"] for part in gathered],
@@ -846,20 +821,8 @@ class PipelineStrategyBase(ParallelStrategyBase):
             names = getattr(inner, "_lp_parameter_names", None)
             if names is None:
                 inner.load_state_dict(saved)
-                continue
-            flat = [n for group in names for n in group]
-            by_name = {flat[int(i)]: value for i, value in saved["state"].items()}
-            for group, saved_group in zip(inner.param_groups, saved["param_groups"]):
-                group.update({k: v for k, v in saved_group.items() if k != "params"})
-                for parameter in group["params"]:
-                    name = self._pipeline.name_of[id(parameter)]
-                    if name in by_name:
-                        inner.state[parameter] = {
-                            k: v.detach().clone().to(parameter.device)
-                            if isinstance(v, Tensor) and v.dim()
-                            else (v.clone() if isinstance(v, Tensor) else v)
-                            for k, v in by_name[name].items()
-                        }
+            else:
+                load_whole_model_layout(inner, saved, names, self._pipeline.name_of)
         self._resume = {k: v for k, v in (self._resume or {}).items() if k != "optimizers"}
 
     # -- the end of fit ----------------------------------------------------------------------
@@ -947,42 +910,6 @@ def _check_forward_is_layers(module: nn.Module, body: nn.Module, example: tuple[
             "splits self.layers, so forward must be exactly `return self.layers(x)` (move "
             "other computation into layers, or into training_step after the forward)"
         )
-
-
-def _stage_ownership(module: nn.Module, stages: Sequence[StageModule], stage: int) -> list[Tensor]:
-    """The tensors stage ``stage`` owns: its own; the last stage also every tensor of ``module``
-    outside the stages (used by ``training_step``, which runs there).
-
-    Raises:
-        PipelineSplitError: a tensor used by two stages (tied weights across stages).
-    """
-    where: dict[int, int] = {}
-    per_stage: list[list[Tensor]] = []
-    for index, stage_module in enumerate(stages):
-        tensors = _tensors(stage_module)
-        for tensor in tensors:
-            if where.setdefault(id(tensor), index) != index:
-                raise PipelineSplitError(
-                    f"a tensor of shape {tuple(tensor.shape)} is used by stages "
-                    f"{where[id(tensor)]} and {index} (tied weights); a pipeline keeps each "
-                    "tensor on one stage: untie it, or choose boundaries that keep its uses in "
-                    "one stage (partition=[...])"
-                )
-        per_stage.append(tensors)
-    owned = list(per_stage[stage])
-    if stage == len(stages) - 1:
-        owned += [t for t in _tensors(module) if id(t) not in where]
-    return owned
-
-
-def _tensors(module: nn.Module) -> list[Tensor]:
-    seen: set[int] = set()
-    tensors = []
-    for tensor in [*module.parameters(), *module.buffers()]:
-        if id(tensor) not in seen:
-            seen.add(id(tensor))
-            tensors.append(tensor)
-    return tensors
 
 
 def _move_real(model: nn.Module, device: torch.device) -> nn.Module:
