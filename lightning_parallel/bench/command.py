@@ -15,6 +15,7 @@ import sys
 import warnings
 from pathlib import Path
 
+from lightning_parallel.cluster.command import MEMORY_PER_HOST_HELP, memory_size_argument
 from lightning_parallel.cluster.launcher import ClusterInterrupted, interrupt_on_signals
 from lightning_parallel.cluster.network import ClusterError
 
@@ -61,6 +62,13 @@ def _parser() -> argparse.ArgumentParser:
         "freeze:RANK (SIGSTOP) or link:HOST (drop the host's link); repeat for several. "
         "Give SPECs a short timeout (e.g. -s ddp_fp16:timeout=30)",
     )
+    parser.add_argument(
+        "--memory-per-host",
+        type=memory_size_argument,
+        default=None,
+        metavar="SIZE",
+        help=MEMORY_PER_HOST_HELP,
+    )
     parser.add_argument("--json", type=Path, default=None, help="write the BENCH.md JSON here")
     parser.add_argument("--plot", type=Path, default=None, help="write the PNG plot here")
     parser.add_argument("--log-dir", type=Path, default=None, help="per-run worker logs")
@@ -101,8 +109,10 @@ def main(argv: list[str]) -> int:
         warmup_steps=args.warmup_steps,
         timeout=args.timeout,
         faults=args.fault,
+        memory_per_host=args.memory_per_host,
     )
     warnings.filterwarnings("ignore", "latency .* is NOT emulated", RuntimeWarning)
+    warnings.filterwarnings("ignore", "swap is not capped", RuntimeWarning)
     try:
         with interrupt_on_signals():
             result = run_benchmark(
@@ -115,7 +125,8 @@ def main(argv: list[str]) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     except ClusterInterrupted as interrupt:
-        print(f"error: {interrupt}; hosts stopped and namespaces removed", file=sys.stderr)
+        removed = "namespaces" + (" and memory cgroups" if args.memory_per_host else "")
+        print(f"error: {interrupt}; hosts stopped and {removed} removed", file=sys.stderr)
         return 128 + interrupt.signum
     print_table(result, console)
     if args.json is not None:

@@ -16,6 +16,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from lightning_parallel.cluster.units import format_memory_size
+
 __all__: list[str] = []
 
 
@@ -37,6 +39,11 @@ def table(result: dict[str, Any]) -> Table:
         f"{config.get('procs_per_host', 1)} procs, {config['bandwidth']}, latency {latency}, "
         f"{steps}, seed {config['seed']}"
         + (f", straggler {config['straggler']}" if config.get("straggler") else "")
+        + (
+            f", memory {format_memory_size(config['memory_per_host'])} per host"
+            if config.get("memory_per_host")
+            else ""
+        )
     )
     grid = Table(title=escape(title))
     columns = [
@@ -58,9 +65,14 @@ def table(result: dict[str, Any]) -> Table:
     for run in result["runs"]:
         if not run["ok"]:
             first = str(run["error"]).strip().splitlines()
+            status, reason = "FAILED", (first[0] if first else "")[:60]
+            killed = run["extra"].get("out_of_memory")
+            if killed:
+                size = format_memory_size(killed[0]["limit_bytes"])
+                status, reason = "OOM", f"host {killed[0]['host']} over its {size} cap"
             grid.add_row(
-                escape(run["spec"]), str(run["world_size"]), "[red]FAILED[/red]",
-                f"[red]{escape((first[0] if first else '')[:60])}[/red]", *["-"] * 8,
+                escape(run["spec"]), str(run["world_size"]), f"[red]{status}[/red]",
+                f"[red]{escape(reason)}[/red]", *["-"] * 8,
             )  # fmt: skip
             continue
         step = run["step_time_s"]

@@ -10,10 +10,17 @@ For each SPEC, in order:
 4. the per-rank JSON files are summarized (:func:`summarize`); a run whose process failed or
    wrote no record is kept with ``ok: false`` and the error, and the next SPEC runs.
 
+With ``memory_per_host`` every host of step 2 also gets a memory cgroup of that size
+(:class:`~lightning_parallel.cluster.MemoryCaps`); a run whose process the kernel killed at the
+cap is recorded with ``ok: false``, the error ``host H ran out of memory: its SIZE cap
+(--memory-per-host) was reached and the kernel killed rank R`` and ``extra.out_of_memory``.
+
 Figures (see ``BENCH.md``): step times are pooled over ranks after ``warmup_steps`` steps;
 ``samples_per_s`` sums each rank's samples over its steady-state time; ``wire_bytes_per_step``
 and ``reported_bytes_per_step`` are per host (the processes of a host summed), averaged over
-hosts; ``wall_s`` is the training time (train start to train end, slowest rank).
+hosts; ``wall_s`` is the training time (train start to train end, slowest rank);
+``extra.per_rank[i]`` holds rank ``i``'s own figures, among them the bytes of the parameters,
+gradients and optimizer state it held at train end and its peak RSS.
 """
 
 from __future__ import annotations
@@ -25,16 +32,24 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 from lightning_parallel.bench.specs import build_strategy, parse_spec
+from lightning_parallel.cluster.cgroups import check_memory_requirements
 from lightning_parallel.cluster.faults import ProcessEnd, check_faults, parse_fault
 from lightning_parallel.cluster.launcher import ClusterRun, run_on_hosts
+from lightning_parallel.cluster.memory import MemoryCaps
 from lightning_parallel.cluster.network import SimulatedNetwork, check_requirements
-from lightning_parallel.cluster.units import parse_bandwidth, parse_latency, parse_straggler
+from lightning_parallel.cluster.units import (
+    MIN_MEMORY_BYTES,
+    parse_bandwidth,
+    parse_latency,
+    parse_straggler,
+)
 
 __all__: list[str] = []
 
@@ -43,7 +58,8 @@ __all__: list[str] = []
 class BenchConfig:
     """What every run of one benchmark shares: network, model, data, steps, seed.
 
-    Exactly one of ``max_steps`` and ``epochs`` is set.
+    Exactly one of ``max_steps`` and ``epochs`` is set. ``memory_per_host`` is every host's
+    memory size in bytes (``None``: no cap).
     """
 
     hosts: int = 2
@@ -61,6 +77,7 @@ class BenchConfig:
     warmup_steps: int = 5
     timeout: float = 900.0
     faults: list[str] = field(default_factory=list)
+    memory_per_host: int | None = None
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the fix for any inconsistent setting."""
@@ -78,6 +95,10 @@ class BenchConfig:
             raise ValueError(f"target_acc must be in (0, 1], got {self.target_acc}")
         if self.warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+        if self.memory_per_host is not None and self.memory_per_host < MIN_MEMORY_BYTES:
+            raise ValueError(
+                f"memory_per_host must be at least 1 MiB (in bytes), got {self.memory_per_host}"
+            )
         parse_bandwidth(self.bandwidth)
         parse_latency(self.latency)
         check_faults([parse_fault(f) for f in self.faults], self.hosts, self.world_size)
@@ -148,6 +169,10 @@ def summarize(
                 "samples_per_s": per_step * count / seconds if seconds > 0 else 0.0,
                 "step_seconds_sum": sum(record["step_seconds"]),
                 "train_seconds": record["train_seconds"],
+                "param_bytes": record.get("param_bytes"),
+                "grad_bytes": record.get("grad_bytes"),
+                "optimizer_bytes": record.get("optimizer_bytes"),
+                "peak_rss_mb": record.get("peak_rss_mb"),
             }
         )
     samples_per_s = sum(rank["samples_per_s"] for rank in per_rank)
@@ -261,6 +286,7 @@ def _rank_outcome(
         "hung": end.hung,
         # finished its run without the faulted rank (a strategy that goes on)
         "went_on": went_on and not end.faulted,
+        "out_of_memory": end.out_of_memory,
         "error": error,
     }
 
@@ -322,6 +348,8 @@ def _fault_error(outcome: dict[str, Any]) -> str:
         timing = "" if after is None else f" {after:.1f} s after the fault"
         error = _diagnosis_first(rank["error"] or "")
         status = "finished" if rank["exit_code"] == 0 else f"ended (exit {rank['exit_code']})"
+        if rank.get("out_of_memory"):
+            status = "ran out of memory (killed by the kernel under its host's cap)"
         lines.append(f"rank {rank['rank']}: {status}{timing}" + (f": {error}" if error else ""))
     return "\n".join(lines)
 
@@ -341,7 +369,14 @@ def run_spec(spec: str, config: BenchConfig, log_dir: Path) -> dict[str, Any]:
         output = Path(directory)
         faults = [parse_fault(text) for text in config.faults]
         timeout_s = spec_timeout_s(spec)
-        with SimulatedNetwork(config.hosts, config.bandwidth, config.latency) as network:
+        with (
+            SimulatedNetwork(config.hosts, config.bandwidth, config.latency) as network,
+            (
+                MemoryCaps(network.prefix, config.hosts, config.memory_per_host)
+                if config.memory_per_host is not None
+                else nullcontext()
+            ) as memory,
+        ):
             result = run_on_hosts(
                 network,
                 _worker_command(spec, config, output),
@@ -351,10 +386,13 @@ def run_spec(spec: str, config: BenchConfig, log_dir: Path) -> dict[str, Any]:
                 output=log,
                 faults=faults,
                 hang_after=timeout_s + HANG_MARGIN_S if faults else None,
+                memory=memory,
             )
             latency_emulated = network.latency_emulated
         records = [json.loads(path.read_text()) for path in sorted(output.glob("rank*.json"))]
     extra: dict[str, Any] = {"log": str(log_path), "total_s": time.perf_counter() - started}
+    if result.out_of_memory:
+        extra["out_of_memory"] = [asdict(oom) for oom in result.out_of_memory]
     if result.first_fault_s is not None:
         outcome = fault_outcome(result, records, timeout_s)
         ended = [r["end_s"] for r in outcome["ranks"] if not r["faulted"] and r["end_s"]]
@@ -366,7 +404,10 @@ def run_spec(spec: str, config: BenchConfig, log_dir: Path) -> dict[str, Any]:
             run = summarize(spec, name, finished, config)
             run["extra"].update(extra, **outcome, latency_emulated=latency_emulated)
             return run
-        failed = _failed(spec, name, config.world_size, _fault_error(outcome), **extra, **outcome)
+        report = _fault_error(outcome)
+        if result.out_of_memory:
+            report = f"{result.out_of_memory[0].describe()}\n{report}"
+        failed = _failed(spec, name, config.world_size, report, **extra, **outcome)
         failed["wall_s"] = max(ended) if ended else None
         return failed
     errors = [f"rank {r['rank']}: {r['error']}" for r in records if not r.get("ok")]
@@ -391,7 +432,8 @@ def run_benchmark(
 
     Raises:
         ValueError: an inconsistent configuration (before anything runs).
-        ClusterError: the simulated cluster cannot run here (not root, no iproute2).
+        ClusterError: the simulated cluster cannot run here (not root, no iproute2, or no
+            memory cgroup controller when ``memory_per_host`` is set).
     """
     import pytorch_lightning
     import torch
@@ -400,6 +442,8 @@ def run_benchmark(
     if not specs:
         raise ValueError("give at least one SPEC, e.g. -s ddp")
     check_requirements()
+    if config.memory_per_host is not None:
+        check_memory_requirements()
     log_dir = log_dir or Path(tempfile.mkdtemp(prefix="lightning-parallel-bench-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     say = progress or (lambda line: None)

@@ -18,7 +18,10 @@ one torch thread, and writes ``DIR/rank<R>.json`` with:
    the interface is the host's), the independent measure of bytes on the wire;
 4. the library's reported bytes and steps (:class:`~lightning_parallel.callbacks.CommStats`),
    strategy gauges, comm-hook calls and straggler delay;
-5. the peak resident memory of the process.
+5. the peak resident memory of the process;
+6. the bytes of the training state this rank holds at train end: its parameters, their
+   gradients and its optimizers' state (:mod:`lightning_parallel.bench.footprint`), as
+   ``param_bytes``, ``grad_bytes``, ``optimizer_bytes``.
 """
 
 from __future__ import annotations
@@ -77,6 +80,8 @@ def _make_probe(interface: str | None, progress_every: float | None = None) -> A
     import pytorch_lightning as pl
     from pytorch_lightning.trainer.states import TrainerFn
 
+    from lightning_parallel.bench.footprint import training_footprint
+
     class Probe(pl.Callback):
         def __init__(self) -> None:
             self.step_seconds: list[float] = []
@@ -86,6 +91,9 @@ def _make_probe(interface: str | None, progress_every: float | None = None) -> A
             self.train_seconds = 0.0
             self.tx_start: int | None = None
             self.tx_end: int | None = None
+            self.footprint: dict[str, int | None] = dict.fromkeys(
+                ("param_bytes", "grad_bytes", "optimizer_bytes")
+            )
             self._batch_start = 0.0
             self._previous_end: float | None = None
             self._validation_start = 0.0
@@ -156,6 +164,9 @@ def _make_probe(interface: str | None, progress_every: float | None = None) -> A
         def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
             self.train_seconds = time.perf_counter() - self.train_start
             self.tx_end = _tx_bytes(interface)
+            # what the rank holds now, before the strategy's teardown frees or moves it
+            held = training_footprint(pl_module.parameters(), trainer.optimizers)
+            self.footprint.update(held.as_dict())
 
     return Probe()
 
@@ -241,6 +252,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         "straggler_delay_s": straggler.delayed_seconds if straggler else 0.0,
         "torch_threads": torch.get_num_threads(),
         "peak_rss_mb": _peak_rss_mb(),
+        **probe.footprint,
     }
 
 

@@ -1,5 +1,7 @@
-"""A simulated multi-host cluster on one machine: network namespaces behind shaped links."""
+"""A simulated multi-host cluster on one machine: network namespaces behind shaped links, and
+optionally a memory size per host (memory cgroups)."""
 
+from lightning_parallel.cluster.cgroups import detect_hierarchy, memory_unavailable_reason
 from lightning_parallel.cluster.launcher import (
     STRAGGLER_ENV,
     ClusterInterrupted,
@@ -8,6 +10,7 @@ from lightning_parallel.cluster.launcher import (
     interrupt_on_signals,
     run_on_hosts,
 )
+from lightning_parallel.cluster.memory import MemoryCaps, OutOfMemory
 from lightning_parallel.cluster.network import (
     ClusterError,
     Host,
@@ -19,8 +22,10 @@ from lightning_parallel.cluster.network import (
 )
 from lightning_parallel.cluster.units import (
     format_bandwidth,
+    format_memory_size,
     parse_bandwidth,
     parse_latency,
+    parse_memory_size,
     parse_straggler,
 )
 
@@ -30,15 +35,21 @@ __all__ = [
     "ClusterInterrupted",
     "ClusterRun",
     "Host",
+    "MemoryCaps",
+    "OutOfMemory",
     "SimulatedNetwork",
     "check_requirements",
     "cluster_environment",
+    "detect_hierarchy",
     "format_bandwidth",
+    "format_memory_size",
     "interrupt_on_signals",
     "leftovers",
+    "memory_unavailable_reason",
     "netns_unavailable_reason",
     "parse_bandwidth",
     "parse_latency",
+    "parse_memory_size",
     "parse_straggler",
     "remove_stale",
     "run_on_hosts",

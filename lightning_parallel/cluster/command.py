@@ -4,6 +4,10 @@ Example::
 
     lightning-parallel cluster --hosts 2 --bandwidth 1gbit --latency 1ms -- \\
         python train.py --trainer.num_nodes=2
+
+With ``--memory-per-host 2GB`` every host's processes share a 2 GB memory cgroup
+(:mod:`lightning_parallel.cluster.memory`); a host that needs more loses a process to the
+kernel's OOM killer, and the command says which host ran out of memory.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 import warnings
+from contextlib import nullcontext
 
 from lightning_parallel.cluster.faults import check_faults, fault_report, parse_fault
 from lightning_parallel.cluster.launcher import (
@@ -18,10 +23,33 @@ from lightning_parallel.cluster.launcher import (
     interrupt_on_signals,
     run_on_hosts,
 )
+from lightning_parallel.cluster.memory import MemoryCaps
 from lightning_parallel.cluster.network import ClusterError, SimulatedNetwork
-from lightning_parallel.cluster.units import parse_bandwidth, parse_latency, parse_straggler
+from lightning_parallel.cluster.units import (
+    parse_bandwidth,
+    parse_latency,
+    parse_memory_size,
+    parse_straggler,
+)
 
 __all__: list[str] = []
+
+MEMORY_PER_HOST_HELP = (
+    "memory size of every host, e.g. 2000MB, 2GB, 1.5GiB (MB/GB: powers of 1000, MiB/GiB: of "
+    "1024): each host's processes and their children share one memory cgroup capped there, "
+    "swap included (cgroup v2: memory.max and memory.swap.max=0; v1: memory.limit_in_bytes and "
+    "memory.memsw.limit_in_bytes); a process the kernel kills at the cap is reported as "
+    "'host H ran out of memory: its SIZE cap (--memory-per-host) was reached and the kernel "
+    "killed rank R'. Needs root and the memory cgroup controller (default: no cap)"
+)
+
+
+def memory_size_argument(text: str) -> int:
+    """``argparse`` type of ``--memory-per-host``: the size in bytes, parsed once at the edge."""
+    try:
+        return parse_memory_size(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from error
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -73,6 +101,13 @@ def _parser() -> argparse.ArgumentParser:
         help="with --fault: a survivor still running this many seconds after the first fault "
         "counts as hung and is killed (default 300)",
     )
+    parser.add_argument(
+        "--memory-per-host",
+        type=memory_size_argument,
+        default=None,
+        metavar="SIZE",
+        help=MEMORY_PER_HOST_HELP,
+    )
     return parser
 
 
@@ -111,12 +146,18 @@ def main(argv: list[str]) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     warnings.filterwarnings("ignore", "latency .* is NOT emulated", RuntimeWarning)
+    warnings.filterwarnings("ignore", "swap is not capped", RuntimeWarning)
     try:
         with (
             interrupt_on_signals(),
             SimulatedNetwork(args.hosts, args.bandwidth, args.latency) as network,
+            (
+                MemoryCaps(network.prefix, args.hosts, args.memory_per_host)
+                if args.memory_per_host is not None
+                else nullcontext()
+            ) as memory,
         ):
-            for note in network.notes:
+            for note in network.notes + (memory.notes if memory is not None else []):
                 print(f"warning: {note}", file=sys.stderr)
             result = run_on_hosts(
                 network,
@@ -128,12 +169,14 @@ def main(argv: list[str]) -> int:
                 timeout=args.timeout,
                 faults=faults,
                 hang_after=args.hang_after,
+                memory=memory,
             )
     except ClusterError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     except ClusterInterrupted as interrupt:
-        print(f"error: {interrupt}; hosts stopped and namespaces removed", file=sys.stderr)
+        removed = "namespaces" + (" and memory cgroups" if args.memory_per_host else "")
+        print(f"error: {interrupt}; hosts stopped and {removed} removed", file=sys.stderr)
         return 128 + interrupt.signum
     if faults:
         for line in fault_report(result.faults, result.ends, result.orphans):

@@ -120,6 +120,7 @@ class ProcessEnd:
         hung: it was still running, silent for ``hang_after`` seconds after the first fault,
             and was killed.
         last_line: its last non-empty output line.
+        out_of_memory: the kernel killed it because its host reached its memory size.
     """
 
     label: str
@@ -130,6 +131,7 @@ class ProcessEnd:
     end_s: float | None = None
     hung: bool = False
     last_line: str = ""
+    out_of_memory: bool = False
 
     def after_fault(self, fault_s: float | None) -> float | None:
         """Seconds from ``fault_s`` to this process's exit."""
@@ -158,6 +160,8 @@ def fault_report(
         after = end.after_fault(first)
         if end.hung:
             what = "HUNG: still running, killed"
+        elif end.out_of_memory:
+            what = "ran out of memory (killed by the kernel under its host's cap)"
         elif end.exit_code is None:
             what = "did not exit"
         else:

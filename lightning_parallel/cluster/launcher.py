@@ -20,6 +20,11 @@ per host). The first process that exits non-zero ends the run: the others are te
 (SIGTERM, then SIGKILL after a grace period) and its exit code and last output lines are
 returned. :func:`interrupt_on_signals` turns SIGINT/SIGTERM into an exception so that every
 ``finally`` (process kill, namespace removal) runs.
+
+With ``memory`` (:class:`~lightning_parallel.cluster.memory.MemoryCaps`) every process starts
+inside its host's memory cgroup; a process that ends by SIGKILL in a host whose group counts an
+OOM kill is reported as that host running out of memory (:class:`OutOfMemory`, in
+:attr:`ClusterRun.out_of_memory` and its message), not as a crash.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from types import FrameType
 from typing import IO, TextIO
 
 from lightning_parallel.cluster.faults import AppliedFault, Fault, ProcessEnd, check_faults
+from lightning_parallel.cluster.memory import MemoryCaps, OutOfMemory
 from lightning_parallel.cluster.network import Host, SimulatedNetwork
 
 __all__: list[str] = []
@@ -115,6 +121,7 @@ class _Process:
     end: ProcessEnd
     reader: threading.Thread | None = None
     last_output: float = field(default_factory=time.monotonic)  # when it last printed a line
+    out_of_memory: OutOfMemory | None = None
 
 
 @dataclass
@@ -130,6 +137,8 @@ class ClusterRun:
         ends: how each process ended, in rank order (exit code, seconds from the start).
         faults: the faults asked for and when each was applied.
         orphans: processes left in the hosts' namespaces once every started process had ended.
+        out_of_memory: processes the kernel killed because their host reached its memory size
+            (``memory`` given to :func:`run_on_hosts`); the first one is in ``message``.
     """
 
     returncode: int
@@ -139,6 +148,7 @@ class ClusterRun:
     ends: list[ProcessEnd] = field(default_factory=list)
     faults: list[AppliedFault] = field(default_factory=list)
     orphans: list[int] = field(default_factory=list)
+    out_of_memory: list[OutOfMemory] = field(default_factory=list)
 
     @property
     def first_fault_s(self) -> float | None:
@@ -204,6 +214,7 @@ def run_on_hosts(
     grace: float = 5.0,
     faults: Sequence[Fault] = (),
     hang_after: float | None = None,
+    memory: MemoryCaps | None = None,
 ) -> ClusterRun:
     """Run ``command`` once per process slot of every host and wait for all of them.
 
@@ -225,6 +236,8 @@ def run_on_hosts(
         hang_after: with faults, a survivor still running that has printed nothing for this
             many seconds since the first fault counts as hung, and the run is ended (default:
             ``timeout``'s deadline only).
+        memory: created memory caps of ``network``'s hosts: each process starts inside its
+            host's group, and a process killed for want of memory is reported as such.
 
     Returns:
         A :class:`ClusterRun`; it never hangs on a dead host.
@@ -250,8 +263,11 @@ def run_on_hosts(
                 )
                 label = f"host {host.index}" + (f".{local_rank}" if procs_per_host > 1 else "")
                 rank = host.index * procs_per_host + local_rank
+                argv = network.exec_argv(host, list(command))
+                if memory is not None:
+                    argv = memory.join_argv(host.index, argv)
                 popen = subprocess.Popen(
-                    network.exec_argv(host, list(command)),
+                    argv,
                     env=env,
                     stdin=subprocess.DEVNULL,
                     stdout=subprocess.PIPE,
@@ -266,8 +282,8 @@ def run_on_hosts(
                 process.reader.start()
                 processes.append(process)
         if not faults:
-            return _wait(processes, timeout, grace)
-        run = _FaultyRun(network, processes, faults, timeout, hang_after, grace).wait()
+            return _wait(processes, timeout, grace, memory)
+        run = _FaultyRun(network, processes, faults, timeout, hang_after, grace, memory).wait()
         run.orphans = _orphans(network, processes)
         return run
     finally:
@@ -281,10 +297,20 @@ def _orphans(network: SimulatedNetwork, processes: list[_Process]) -> list[int]:
     return [pid for host in network.hosts for pid in network.pids(host) if pid not in started]
 
 
-def _record_exit(process: _Process, code: int, now: float) -> None:
+def _record_exit(
+    process: _Process, code: int, now: float, memory: MemoryCaps | None
+) -> OutOfMemory | None:
+    """Record how ``process`` ended; its :class:`OutOfMemory` if its host's cap killed it."""
     if process.end.exit_code is None:
         process.end.exit_code = _exit_code(code)
         process.end.end_s = now
+        if memory is not None:
+            end = process.end
+            process.out_of_memory = memory.out_of_memory(
+                end.host, end.rank, end.label, _exit_code(code)
+            )
+            end.out_of_memory = process.out_of_memory is not None
+    return process.out_of_memory
 
 
 class _FaultyRun:
@@ -298,8 +324,10 @@ class _FaultyRun:
         timeout: float | None,
         hang_after: float | None,
         grace: float,
+        memory: MemoryCaps | None = None,
     ) -> None:
         self.network = network
+        self.memory = memory
         self.processes = processes
         self.pending = sorted((AppliedFault(fault) for fault in faults), key=lambda f: f.fault.at)
         self.applied: list[AppliedFault] = []
@@ -330,7 +358,7 @@ class _FaultyRun:
             for process in self.processes:
                 code = process.popen.poll()
                 if code is not None:
-                    _record_exit(process, code, now)
+                    _record_exit(process, code, now, self.memory)
             survivors = [p for p in self.processes if not p.end.faulted]
             failed_early = [
                 p for p in survivors if p.end.exit_code not in (None, 0) and not self.applied
@@ -376,6 +404,9 @@ class _FaultyRun:
             message = reason or f"{len(bad)} of {len(survivors)} surviving processes failed"
         else:
             code, message = 0, "every surviving process finished"
+        out_of_memory = [p.out_of_memory for p in self.processes if p.out_of_memory is not None]
+        if out_of_memory and code != 0:
+            message = f"{out_of_memory[0].describe()}; {message}"
         tail = [f"[{p.label}] {line}" for p in self.processes for line in list(p.tail)[-3:] if line]
         return ClusterRun(
             code,
@@ -384,27 +415,35 @@ class _FaultyRun:
             message,
             ends=[p.end for p in self.processes],
             faults=self.applied + self.pending,
+            out_of_memory=out_of_memory,
         )
 
 
-def _wait(processes: list[_Process], timeout: float | None, grace: float) -> ClusterRun:
+def _wait(
+    processes: list[_Process], timeout: float | None, grace: float, memory: MemoryCaps | None
+) -> ClusterRun:
     start = time.monotonic()
     deadline = None if timeout is None else start + timeout
     while True:
         for process in processes:
             code = process.popen.poll()
+            out_of_memory = None
             if code is not None:
-                _record_exit(process, code, time.monotonic() - start)
+                out_of_memory = _record_exit(process, code, time.monotonic() - start, memory)
             if code is not None and code != 0:
                 _stop([p for p in processes if p is not process], grace)
                 if process.reader is not None:
                     process.reader.join(timeout=2)
+                message = f"{process.label} exited with code {_exit_code(code)}"
+                if out_of_memory is not None:
+                    message = out_of_memory.describe()
                 return ClusterRun(
                     _exit_code(code),
                     process.label,
                     list(process.tail),
-                    f"{process.label} exited with code {_exit_code(code)}; the run was stopped",
+                    f"{message}; the run was stopped",
                     ends=[p.end for p in processes],
+                    out_of_memory=[out_of_memory] if out_of_memory is not None else [],
                 )
         if all(p.popen.returncode is not None for p in processes):
             return ClusterRun(0, ends=[p.end for p in processes])

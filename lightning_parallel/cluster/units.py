@@ -2,7 +2,9 @@
 
 Bandwidth units follow ``tc``: ``bit``, ``kbit``, ``mbit``, ``gbit``, ``tbit`` are bits per
 second (powers of 1000); ``bps``, ``kbps``, ``mbps``, ``gbps`` are *bytes* per second. Latency
-units are ``s``, ``ms``, ``us``; a bare ``0`` means no added latency.
+units are ``s``, ``ms``, ``us``; a bare ``0`` means no added latency. Memory sizes take ``B``,
+decimal ``kB``/``MB``/``GB``/``TB`` (powers of 1000) or binary ``KiB``/``MiB``/``GiB``/``TiB``
+(powers of 1024), case-insensitive.
 """
 
 from __future__ import annotations
@@ -24,6 +26,21 @@ _BITS_PER_UNIT = {
     "gbps": 8e9,
 }
 _SECONDS_PER_UNIT = {"s": 1.0, "ms": 1e-3, "us": 1e-6}
+_BYTES_PER_UNIT = {
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+_UNIT_NAMES = {"kb": "kB", "mb": "MB", "gb": "GB", "tb": "TB", "kib": "KiB", "mib": "MiB",
+               "gib": "GiB", "tib": "TiB"}  # fmt: skip
+# below this a host cannot even start a Python interpreter
+MIN_MEMORY_BYTES = 2**20
 
 
 def parse_bandwidth(text: str) -> int:
@@ -88,3 +105,41 @@ def parse_straggler(text: str) -> tuple[int, float]:
             "and a slowdown factor >= 1, e.g. '1:3' (rank 1 computes 3x slower)"
         )
     return rank, factor
+
+
+def parse_memory_size(text: str) -> int:
+    """Bytes of a memory size such as ``"2000MB"``, ``"2GB"`` or ``"1.5GiB"``.
+
+    ``MB``/``GB`` are powers of 1000, ``MiB``/``GiB`` powers of 1024; a unit is required.
+
+    Raises:
+        ValueError: not a number followed by a known unit, or below 1 MiB.
+    """
+    match = _BANDWIDTH.match(text.lower())
+    unit = match.group(2) if match else ""
+    if not match or unit not in _BYTES_PER_UNIT:
+        raise ValueError(
+            f"memory size {text!r} is not understood; write a number and one of B, kB, MB, GB, "
+            "TB (powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024), e.g. '2000MB' or "
+            "'1.5GiB'"
+        )
+    size = round(float(match.group(1)) * _BYTES_PER_UNIT[unit])
+    if size < MIN_MEMORY_BYTES:
+        raise ValueError(
+            f"memory size {text!r} is below 1 MiB: no process can start under it; give a "
+            "usable size such as '500MB'"
+        )
+    return size
+
+
+def format_memory_size(size: int) -> str:
+    """A short form of a byte count in the largest unit that shows it exactly to one decimal:
+    ``2 * 10**9`` -> ``"2 GB"``, ``int(1.5 * 2**30)`` -> ``"1.5 GiB"``; else in MB,
+    ``123456789`` -> ``"123.5 MB"``."""
+    for unit in ("tib", "tb", "gib", "gb", "mib", "mb", "kib", "kb"):
+        scale = _BYTES_PER_UNIT[unit]
+        if size >= scale and (size * 10) % scale == 0:
+            return f"{size / scale:g} {_UNIT_NAMES[unit]}"
+    if size >= 10**6:
+        return f"{size / 10**6:.1f} MB"
+    return f"{size} B"

@@ -20,6 +20,8 @@ __all__ = [
     "ConvNet",
     "DemoClassifier",
     "DigitsDataModule",
+    "ResNet18",
+    "ResNet50",
     "SyntheticImageDataModule",
     "VGGMini",
     "build_datamodule",
@@ -32,6 +34,8 @@ DemoClassifier = public_class(
 VGGMini = public_class("demo.models", "VGGMini", "A small VGG-style convolutional network.")
 ConvNet = public_class("demo.models", "ConvNet", "A two-convolution network.")
 MLP = public_class("demo.models", "MLP", "A deep multilayer perceptron of equal blocks.")
+ResNet18 = public_class("demo.models", "ResNet18", "CIFAR-style ResNet-18 (skip connections).")
+ResNet50 = public_class("demo.models", "ResNet50", "CIFAR-style ResNet-50 (bottlenecks).")
 DigitsDataModule = public_class(
     "demo.data", "DigitsDataModule", "Scikit-learn's handwritten digits (needs the demo extra)."
 )
@@ -39,7 +43,13 @@ SyntheticImageDataModule = public_class(
     "demo.data", "SyntheticImageDataModule", "Deterministic CIFAR-shaped images of any size."
 )
 
-MODELS: dict[str, Any] = {"vgg_mini": VGGMini, "convnet": ConvNet, "mlp": MLP}
+MODELS: dict[str, Any] = {
+    "vgg_mini": VGGMini,
+    "convnet": ConvNet,
+    "mlp": MLP,
+    "resnet18": ResNet18,
+    "resnet50": ResNet50,
+}
 DATAMODULES: dict[str, Any] = {"digits": DigitsDataModule, "synthetic": SyntheticImageDataModule}
 
 
@@ -64,7 +74,8 @@ def build_datamodule(name: str, namespace: Namespace | None = None, **kwargs: An
 def build_model(
     name: str, data: Any = None, namespace: Namespace | None = None, **kwargs: Any
 ) -> Any:
-    """Build the bundled model ``name`` (``"vgg_mini"``, ``"convnet"``, ``"mlp"``).
+    """Build the bundled model ``name`` (``"vgg_mini"``, ``"convnet"``, ``"mlp"``,
+    ``"resnet18"``, ``"resnet50"``).
 
     Given ``data``, the model's ``input_shape`` and ``num_classes`` are taken from it, and the
     model is built for ``data``'s Lightning.

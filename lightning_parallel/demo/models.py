@@ -1,7 +1,9 @@
-"""Bundled models: ``vgg_mini``, ``convnet`` and ``mlp``, as ordinary ``LightningModule``s.
+"""Bundled models: ``vgg_mini``, ``convnet``, ``mlp``, ``resnet18`` and ``resnet50``.
 
-Every model keeps its whole network in ``self.layers``, an ``nn.Sequential`` of blocks, so that
-``forward(x) == self.layers(x)``: pipeline strategies split that sequence into stages, every
+Every model keeps its whole network in ``self.layers`` and ``forward(x) == self.layers(x)``.
+For ``vgg_mini``, ``convnet`` and ``mlp`` it is an ``nn.Sequential`` of blocks, which pipeline
+strategies split into stages directly; the ResNets are written the usual way, with skip
+connections (:mod:`lightning_parallel.demo.resnet`), and pipelines cut them with torch.fx. Every
 other strategy treats the model as one module. All log ``train_loss``, ``val_loss`` and
 ``val_acc`` (``torchmetrics``), and ``test_loss``/``test_acc`` under ``trainer.test``.
 """
@@ -16,6 +18,8 @@ import torch.nn.functional as F
 from pytorch_lightning import LightningModule
 from torch import nn
 from torchmetrics.classification import MulticlassAccuracy
+
+from lightning_parallel.demo.resnet import resnet
 
 __all__: list[str] = []
 
@@ -279,4 +283,47 @@ class MLP(DemoClassifier):
         return layers
 
 
-MODELS: dict[str, type[DemoClassifier]] = {"vgg_mini": VGGMini, "convnet": ConvNet, "mlp": MLP}
+class _ResNet(DemoClassifier):
+    architecture = "resnet18"
+
+    def __init__(self, width: int = 16, depth: int = 1, **kwargs: Any) -> None:
+        self.width, self.depth = width, depth
+        super().__init__(**kwargs)
+
+    def build_layers(self, input_shape: tuple[int, int, int], num_classes: int) -> nn.Module:  # type: ignore[override]
+        return resnet(self.architecture, self.width, self.depth, input_shape[0], num_classes)
+
+
+class ResNet18(_ResNet):
+    """CIFAR-style ResNet-18: basic blocks, 2-2-2-2 per stage, skip connections, BatchNorm.
+
+    Args:
+        width: channels of the first stage (default 16; 64 is the published network, 11.2M
+            parameters with 10 classes).
+        depth: blocks per stage, as a multiple of the published 2-2-2-2.
+        **kwargs: see :class:`DemoClassifier`.
+    """
+
+    architecture = "resnet18"
+
+
+class ResNet50(_ResNet):
+    """CIFAR-style ResNet-50: bottleneck blocks, 3-4-6-3 per stage, skip connections, BatchNorm.
+
+    Args:
+        width: channels of the first stage before the four times expansion (default 16; 64 is
+            the published network, 23.5M parameters with 10 classes).
+        depth: blocks per stage, as a multiple of the published 3-4-6-3.
+        **kwargs: see :class:`DemoClassifier`.
+    """
+
+    architecture = "resnet50"
+
+
+MODELS: dict[str, type[DemoClassifier]] = {
+    "vgg_mini": VGGMini,
+    "convnet": ConvNet,
+    "mlp": MLP,
+    "resnet18": ResNet18,
+    "resnet50": ResNet50,
+}

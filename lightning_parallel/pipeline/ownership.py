@@ -199,42 +199,6 @@ def adopt_tensors(original: nn.Module, current: nn.Module) -> None:
                 slots[key] = now[key]  # type: ignore[assignment]
 
 
-def held_bytes(
-    module: nn.Module, optimizers: Sequence[torch.optim.Optimizer] = ()
-) -> dict[str, int]:
-    """Bytes of parameters, gradients and optimizer state this process really holds.
-
-    Tensors on the meta device hold nothing and are skipped; each storage counts once.
-    """
-    seen: set[tuple[str, int]] = set()
-
-    def size(tensors: Iterable[Any]) -> int:
-        total = 0
-        for tensor in tensors:
-            if not isinstance(tensor, Tensor) or tensor.is_meta:
-                continue
-            storage = tensor.untyped_storage()
-            key = (str(tensor.device), storage.data_ptr())
-            if key in seen:
-                continue
-            seen.add(key)
-            total += storage.nbytes()
-        return total
-
-    parameters = list(module.parameters())
-    states = [
-        value
-        for optimizer in optimizers
-        for state in optimizer.state.values()
-        for value in state.values()
-    ]
-    return {
-        "param_bytes": size(parameters),
-        "grad_bytes": size(p.grad for p in parameters),
-        "optimizer_bytes": size(states),
-    }
-
-
 class TiedAcrossStagesError(ValueError):
     """A tensor is used by two stages; the message names the fix."""
 

@@ -134,9 +134,24 @@ def even_boundaries(layer_count: int, stages: int) -> list[int]:
     return [round(k * layer_count / stages) for k in range(1, stages)]
 
 
+class _StageTracer(fx.Tracer):
+    """torch.fx's tracer, with this package's stand-in layers (deferred BatchNorm, deferred
+    weight-gradient linear layers) kept whole, like the ``torch.nn`` layers they replace: their
+    ``forward`` checks shapes in Python, which a symbolic trace cannot follow."""
+
+    def is_leaf_module(self, module: nn.Module, qualified_name: str) -> bool:
+        from lightning_parallel.pipeline.batchnorm import DeferredBatchNorm
+        from lightning_parallel.pipeline.weight_grad import DeferredGradLinear
+
+        if isinstance(module, (DeferredBatchNorm, DeferredGradLinear)):
+            return True
+        return super().is_leaf_module(module, qualified_name)
+
+
 def _trace(module: nn.Module) -> fx.GraphModule:
     try:
-        return fx.symbolic_trace(module)
+        graph = _StageTracer().trace(module)
+        return fx.GraphModule(module, graph, class_name=type(module).__name__)
     except Exception as error:
         raise PipelineSplitError(
             f"torch.fx could not trace {type(module).__name__} to split it into stages ({error}). "

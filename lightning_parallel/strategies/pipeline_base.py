@@ -541,6 +541,10 @@ class PipelineStrategyBase(ParallelStrategyBase):
             for config in self.lr_scheduler_configs:
                 if config.scheduler.optimizer is inner:
                     config.scheduler.optimizer = restricted
+            # the user's optimizer lets go of every tensor: whoever still holds it must not
+            # keep the released stages alive
+            inner.param_groups.clear()
+            inner.state.clear()
             rebuilt.append(restricted)
         self.optimizers = rebuilt
         self._apply_resume_optimizers()

@@ -81,3 +81,37 @@ def test_config_errors_name_the_fix():
         BenchConfig(hosts=2, procs_per_host=2, straggler="4:2").validate()
     with pytest.raises(ValueError, match="bandwidth"):
         BenchConfig(bandwidth="fast").validate()
+
+
+def test_per_rank_carries_each_ranks_bytes_and_peak_rss():
+    records = [_record(r, r, 0, [0.3] * 10, 1000) for r in range(2)]
+    records[1].update(param_bytes=400, grad_bytes=400, optimizer_bytes=800)
+    records[0].update(param_bytes=200, grad_bytes=200, optimizer_bytes=0)
+    run = summarize("x", "x", records[::-1], BenchConfig(hosts=2, max_steps=10))
+    keys = ("rank", "param_bytes", "grad_bytes", "optimizer_bytes", "peak_rss_mb")
+    assert [tuple(rank[k] for k in keys) for rank in run["extra"]["per_rank"]] == [
+        (0, 200, 200, 0, 100.0),
+        (1, 400, 400, 800, 101.0),
+    ]
+
+
+def test_an_out_of_memory_run_shows_host_and_size(tmp_path):
+    config = BenchConfig(hosts=2, max_steps=10, memory_per_host=700 * 10**6)
+    error = (
+        "host 1 ran out of memory: its 700 MB cap (--memory-per-host) was reached and the kernel "
+        "killed rank 1; the run was stopped"
+    )
+    oom = {"host": 1, "rank": 1, "label": "host 1", "limit_bytes": 700 * 10**6, "kills": 1}
+    run = {"spec": "ddp", "world_size": 2, "ok": False, "error": error,
+           "extra": {"out_of_memory": [oom]}}  # fmt: skip
+    result = {"config": {"hosts": 2, "bandwidth": "1gbit", "latency": "0", "model": "m",
+                         "data": "d", "max_steps": 10, "seed": 0, "straggler": None,
+                         "memory_per_host": config.memory_per_host}, "runs": [run]}  # fmt: skip
+    buffer = io.StringIO()
+    print_table(result, Console(file=buffer, width=250))
+    text = buffer.getvalue()
+    assert "memory 700 MB per host" in text  # the title
+    assert "OOM" in text and "host 1 over its 700 MB cap" in text  # the row
+    assert error in text  # the full error under the table
+    with pytest.raises(ValueError, match="memory_per_host must be at least 1 MiB"):
+        BenchConfig(memory_per_host=1000).validate()

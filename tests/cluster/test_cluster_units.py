@@ -7,8 +7,10 @@ from lightning_parallel.cluster import (
     ClusterError,
     check_requirements,
     format_bandwidth,
+    format_memory_size,
     parse_bandwidth,
     parse_latency,
+    parse_memory_size,
     parse_straggler,
 )
 from lightning_parallel.cluster import network as network_module
@@ -65,3 +67,32 @@ def test_a_reused_pid_does_not_keep_a_stale_namespace_alive():
     # a namespace made an hour before this process started cannot be this process's
     assert not network_module._owner_alive(os.getpid(), created=now - 3600)
     assert not network_module._owner_alive(2**22 + 1)  # above pid_max: no such process
+
+
+@pytest.mark.parametrize(
+    ("text", "size"),
+    [
+        ("2000MB", 2 * 10**9),
+        ("2GB", 2 * 10**9),
+        ("1.5GiB", 3 * 2**29),
+        ("512 MiB", 512 * 2**20),
+        ("300mb", 300 * 10**6),
+        ("1048576B", 2**20),
+    ],
+)
+def test_memory_size_units(text, size):
+    assert parse_memory_size(text) == size
+
+
+@pytest.mark.parametrize("text", ["2000", "lots", "1gbit", "-1GB", "2 GB RAM", "", "0.5MB"])
+def test_bad_memory_size_names_the_format(text):
+    with pytest.raises(ValueError, match="memory size"):
+        parse_memory_size(text)
+
+
+@pytest.mark.parametrize(
+    ("size", "text"),
+    [(2 * 10**9, "2 GB"), (3 * 2**29, "1.5 GiB"), (700 * 10**6, "700 MB"), (123456789, "123.5 MB")],
+)
+def test_format_memory_size_is_short_and_exact(size, text):
+    assert format_memory_size(size) == text

@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_parallel.bench.footprint import training_footprint
 from lightning_parallel.pipeline.checkpoint_layout import (
     load_whole_model_layout,
     whole_model_layout,
@@ -13,7 +14,6 @@ from lightning_parallel.pipeline.checkpoint_layout import (
 from lightning_parallel.pipeline.ownership import (
     TensorNames,
     TiedAcrossStagesError,
-    held_bytes,
     restrict_optimizer,
     take_ownership,
 )
@@ -43,7 +43,7 @@ def test_a_rank_keeps_its_stage_and_releases_the_rest() -> None:
     assert real == set(ownership.names)
     for name in real:  # kept as they were
         assert torch.equal(model.state_dict()[name], before[name])
-    assert held_bytes(model)["param_bytes"] == 4 * (64 + 8 + 16 + 2)
+    assert training_footprint(model.parameters()).param_bytes == 4 * (64 + 8 + 16 + 2)
 
 
 def test_a_meta_stage_is_materialized_by_reset_parameters() -> None:

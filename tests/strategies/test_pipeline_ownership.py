@@ -20,9 +20,9 @@ from helpers.trainers import QUIET
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+from lightning_parallel.bench.footprint import training_footprint
 from lightning_parallel.comm.ledger import process_ledger
 from lightning_parallel.pipeline.consolidate import gather_to_root
-from lightning_parallel.pipeline.ownership import held_bytes
 from lightning_parallel.strategies.gropipe import GroPipeStrategy
 from lightning_parallel.strategies.spectrain import SpecTrainStrategy
 
@@ -97,7 +97,7 @@ class Holdings(pl.Callback):
         pipeline = strategy._pipeline  # type: ignore[attr-defined]
         own = sum(p.numel() * p.element_size() for p in pipeline.owned_parameters)
         record = {
-            **held_bytes(pl_module, trainer.optimizers),
+            **training_footprint(pl_module.parameters(), trainer.optimizers).as_dict(),
             "own_parameter_bytes": own,
             "stage": strategy.stage_index,  # type: ignore[attr-defined]
             "optimizer_parameters": sum(
