@@ -218,11 +218,14 @@ class NoFlushPipeline:
         params = self.parameters
 
         def pack(tensor: Tensor) -> Any:
+            # an alias, never the tensor itself: a saved *output* returned as is references
+            # its own graph node through the hook, a cycle no garbage collector sees (every
+            # micro-batch's activations would leak)
             if tensor.numel() == 0:
-                return tensor
+                return tensor.detach()
             slot = slots.get(tensor.untyped_storage().data_ptr())
             if slot is None:
-                return tensor
+                return tensor.detach()
             offset = tensor.storage_offset() - params[slot].storage_offset()
             return (slot, tuple(tensor.shape), tensor.stride(), offset)
 

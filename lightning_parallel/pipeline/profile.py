@@ -103,7 +103,9 @@ class SavedTensorMeter:
         pointer = storage.data_ptr()
         if pointer not in self.excluded:
             self.storages[pointer] = storage.nbytes()
-        return tensor
+        # an alias, not the tensor: a saved *output* returned as is would reference its own
+        # graph node through the hook, a cycle no garbage collector sees (the graph leaks)
+        return tensor.detach()
 
     @staticmethod
     def unpack(tensor: torch.Tensor) -> torch.Tensor:
@@ -291,7 +293,7 @@ def estimate_layers(layers: Sequence[nn.Module], example_args: tuple[Any, ...]) 
             base = tensor._base if tensor._base is not None else tensor
             if id(base) not in parameters:  # a weight (or its transposed view) is not memory
                 saved[id(tensor)] = tensor.numel() * tensor.element_size()
-            return tensor
+            return tensor.detach()  # an alias: see SavedTensorMeter.pack
 
         counter = FlopCounterMode(display=False)
         with counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):

@@ -238,6 +238,14 @@ class GroPipeStrategy(PipelineStrategyBase):
             return loss * (sizes[index] / total * scale)
 
         previous = self._take_gradients()
+        if (
+            hook_args
+            and isinstance(hook_args[0], int)
+            and hook_args[0] % trainer.accumulate_grad_batches == 0
+        ):
+            # the first batch of an accumulation window: Lightning zeroes the gradients right
+            # after this step, so the last step's need not live beside the new ones
+            previous = {}
         with self.precision_plugin.train_step_context():
             stats = self.run_schedule(pipeline, batch, count, inputs, loss_fn)
         loss = float(sum(float(v) for v in stats.losses.values())) / scale
