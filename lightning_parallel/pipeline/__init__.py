@@ -1,7 +1,19 @@
-"""Pipeline model parallelism in plain torch: stages, partitioner, schedules, stage runtime.
+"""Pipeline model parallelism in plain torch: stages, partitioner, schedules, stage runtimes.
 
 Lightning-free: the GroPipe strategy (``lightning_parallel.strategies.gropipe``) and the
-SpecTrain strategy drive these pieces from Lightning's training loop.
+SpecTrain strategy (``lightning_parallel.strategies.spectrain``) drive these pieces from
+Lightning's training loop. Two techniques share the room:
+
+- ``pipeline/``: the pieces both share (stages, partitioning and profiling, micro-batches,
+  schedule tables, transport between stages, topology, gradient sync across groups, the
+  end-of-step summary, timeline, stage ownership, checkpoint layout and consolidation) and the
+  flush pipeline, GroPipe: its stage runtime (``runtime``), recomputation, deferred weight
+  gradients and batch norm, the hybrid learning-rate decay.
+- ``pipeline/noflush/``: the pipeline that never flushes (SpecTrain, PipeDream), its runtime and
+  the weight predictors that correct its staleness (:mod:`lightning_parallel.pipeline.noflush`
+  lists its modules).
+
+The public names of both are re-exported here.
 """
 
 from lightning_parallel.pipeline.batchnorm import (
@@ -18,7 +30,23 @@ from lightning_parallel.pipeline.microbatch import (
     microbatch_sizes,
     split_microbatches,
 )
-from lightning_parallel.pipeline.noflush import NoFlushPipeline, StageTelemetry
+from lightning_parallel.pipeline.noflush import (
+    PREDICTION_MODES,
+    AdamDirection,
+    DoubleBufferedWeights,
+    LearningRateForecast,
+    MomentumBuffer,
+    NoFlushPipeline,
+    PredictionErrorMeter,
+    ScheduledLearningRate,
+    SmoothedGradient,
+    SpecTrainPrediction,
+    StageTelemetry,
+    WeightPredictor,
+    WeightStashing,
+    make_weight_predictor,
+    staleness_learning_rate_scale,
+)
 from lightning_parallel.pipeline.partition import (
     PartitionError,
     PartitionPlan,
@@ -57,21 +85,6 @@ from lightning_parallel.pipeline.weight_grad import (
     deferring_weight_gradients,
     flush_weight_gradients,
     restore_linear,
-)
-from lightning_parallel.pipeline.weight_prediction import (
-    PREDICTION_MODES,
-    AdamDirection,
-    DoubleBufferedWeights,
-    LearningRateForecast,
-    MomentumBuffer,
-    PredictionErrorMeter,
-    ScheduledLearningRate,
-    SmoothedGradient,
-    SpecTrainPrediction,
-    WeightPredictor,
-    WeightStashing,
-    make_weight_predictor,
-    staleness_learning_rate_scale,
 )
 
 __all__ = [

@@ -8,7 +8,7 @@ independently right after each backward, and micro-batches stay in flight from o
 ``training_step`` to the next (:mod:`lightning_parallel.pipeline.noflush`), so the pipeline
 fills once per epoch instead of once per step. Stage ``k`` applies gradients ``N-k-1`` updates
 stale; ``prediction`` chooses the correction
-(:mod:`lightning_parallel.pipeline.weight_prediction`), and by default a stale stage steps with
+(:mod:`lightning_parallel.pipeline.noflush.predictors`), and by default a stale stage steps with
 the share ρ of the optimizer's learning rate that keeps the synchronous stability margin
 (``learning_rate_scale="staleness"``: a gradient τ = N-k-1 updates stale under momentum μ
 tolerates a far smaller step, ρ = 0.071 for v2 at τ = 1, μ = 0.9; prediction alone does not
@@ -64,14 +64,14 @@ from lightning_parallel.comm.ledger import process_ledger
 from lightning_parallel.compat import register_strategy
 from lightning_parallel.pipeline.grad_sync import PartitionGradientSync
 from lightning_parallel.pipeline.microbatch import batch_size, split_microbatches
-from lightning_parallel.pipeline.noflush import NoFlushPipeline
-from lightning_parallel.pipeline.summary import LoggedValue, LogRecorder
-from lightning_parallel.pipeline.weight_prediction import (
+from lightning_parallel.pipeline.noflush import (
     PREDICTION_MODES,
     LearningRateForecast,
+    NoFlushPipeline,
     ScheduledLearningRate,
     make_weight_predictor,
 )
+from lightning_parallel.pipeline.summary import LoggedValue, LogRecorder
 from lightning_parallel.strategies.pipeline_base import PipelineStrategyBase, patched
 
 __all__: list[str] = []
@@ -191,7 +191,7 @@ class SpecTrainStrategy(PipelineStrategyBase):
             ratio of the largest stable step of heavy ball with its delay τ_k = N-k-1 and this
             ``prediction`` to the synchronous one, 1 on the last stage; 0.071 for v2 and 0.026
             for ``"none"`` at τ = 1 and momentum 0.9, see ``staleness_learning_rate_scale`` in
-            :mod:`~lightning_parallel.pipeline.weight_prediction`), ``"none"``/``None``/1
+            :mod:`~lightning_parallel.pipeline.noflush.stability`), ``"none"``/``None``/1
             (every stage at the optimizer's rate) or a factor in (0, 1] for every stale stage.
         partition: ``"auto"``, ``"even"`` or the ``N-1`` stage boundaries (see ``gropipe``).
         error_sample: coordinates per stage the online prediction error samples (0: off).

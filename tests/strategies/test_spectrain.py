@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader
 from lightning_parallel.comm.ledger import process_ledger
 from lightning_parallel.strategies.spectrain import SpecTrainStrategy
 
-replay_tests = importlib.import_module("pipeline.test_noflush")
+replay_tests = importlib.import_module("pipeline.noflush.test_noflush_runtime")
 
 
 class Net(pl.LightningModule):

@@ -16,9 +16,8 @@ single fill and a single drain instead of one per step. ``render`` of 3 stages, 
 
 In steady state no stage idles. The price: between ``F(u)`` and ``B(u)`` stage ``k`` applies
 the updates of ``N-k-1`` other units, so ``u``'s gradient is ``N-k-1`` updates stale (measured
-in :attr:`NoFlushPipeline.staleness`); a
-:class:`~lightning_parallel.pipeline.weight_prediction.WeightPredictor` chooses the weights each
-pass uses to correct it.
+in :attr:`NoFlushPipeline.staleness`); a :class:`~.predictors.WeightPredictor` chooses the
+weights each pass uses to correct it.
 
 How a pass runs on chosen weights:
 
@@ -44,9 +43,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from lightning_parallel.pipeline.noflush.predictors import WeightPredictor
 from lightning_parallel.pipeline.timeline import Clock, TimelineEvent
 from lightning_parallel.pipeline.transport import StageTransport, stage_output_tensors
-from lightning_parallel.pipeline.weight_prediction import WeightPredictor
 
 __all__: list[str] = []
 

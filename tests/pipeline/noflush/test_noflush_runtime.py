@@ -13,12 +13,10 @@ from helpers.distributed import run_distributed
 from torch import nn
 from torch.func import functional_call
 
-from lightning_parallel.pipeline import noflush
-from lightning_parallel.pipeline.noflush import NoFlushPipeline
+from lightning_parallel.pipeline.noflush import NoFlushPipeline, make_weight_predictor, runtime
 from lightning_parallel.pipeline.schedule import OneFOneBSchedule, render
 from lightning_parallel.pipeline.stages import split_stages
 from lightning_parallel.pipeline.transport import StageTransport
-from lightning_parallel.pipeline.weight_prediction import make_weight_predictor
 
 BOUNDARIES = {1: [], 2: [2], 3: [2, 4]}
 
@@ -212,7 +210,7 @@ def _replay(
 
 def test_docstring_table_is_the_rendered_1f1b_table() -> None:
     drawing = render(OneFOneBSchedule().table(3, 6))
-    docstring = noflush.__doc__ or ""
+    docstring = runtime.__doc__ or ""
     for line in drawing.splitlines():
         assert "    " + line in docstring
 
