@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from lightning_parallel.files import save_atomically
 
 __all__: list[str] = []
 
@@ -43,17 +44,7 @@ def replica_path(checkpoint_path: str | os.PathLike[str], save_id: str, rank: in
 
 def save_replica(state: Any, path: Path) -> None:
     """``torch.save(state, path)``, atomically: readers see the old file or the whole new one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(handle, "wb") as stream:
-            torch.save(state, stream)
-            stream.flush()
-            os.fsync(stream.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
+    save_atomically(state, path)
 
 
 def load_replica(path: Path) -> Any:

@@ -15,7 +15,7 @@ import sys
 import warnings
 from pathlib import Path
 
-from lightning_parallel.cluster.command import MEMORY_PER_HOST_HELP, memory_size_argument
+from lightning_parallel.cluster.command import add_memory_per_host
 from lightning_parallel.cluster.launcher import ClusterInterrupted, interrupt_on_signals
 from lightning_parallel.cluster.network import ClusterError
 
@@ -62,13 +62,7 @@ def _parser() -> argparse.ArgumentParser:
         "freeze:RANK (SIGSTOP) or link:HOST (drop the host's link); repeat for several. "
         "Give SPECs a short timeout (e.g. -s ddp_fp16:timeout=30)",
     )
-    parser.add_argument(
-        "--memory-per-host",
-        type=memory_size_argument,
-        default=None,
-        metavar="SIZE",
-        help=MEMORY_PER_HOST_HELP,
-    )
+    add_memory_per_host(parser)
     parser.add_argument("--json", type=Path, default=None, help="write the BENCH.md JSON here")
     parser.add_argument("--plot", type=Path, default=None, help="write the PNG plot here")
     parser.add_argument("--log-dir", type=Path, default=None, help="per-run worker logs")

@@ -44,6 +44,17 @@ MEMORY_PER_HOST_HELP = (
 )
 
 
+def add_memory_per_host(parser: argparse.ArgumentParser) -> None:
+    """The ``--memory-per-host SIZE`` option (``cluster`` and ``bench``), parsed to bytes."""
+    parser.add_argument(
+        "--memory-per-host",
+        type=memory_size_argument,
+        default=None,
+        metavar="SIZE",
+        help=MEMORY_PER_HOST_HELP,
+    )
+
+
 def memory_size_argument(text: str) -> int:
     """``argparse`` type of ``--memory-per-host``: the size in bytes, parsed once at the edge."""
     try:
@@ -98,16 +109,10 @@ def _parser() -> argparse.ArgumentParser:
         "--hang-after",
         type=float,
         default=300.0,
-        help="with --fault: a survivor still running this many seconds after the first fault "
-        "counts as hung and is killed (default 300)",
+        help="with --fault: a survivor still running and silent (no output line) this many "
+        "seconds after the first fault counts as hung and is killed (default 300)",
     )
-    parser.add_argument(
-        "--memory-per-host",
-        type=memory_size_argument,
-        default=None,
-        metavar="SIZE",
-        help=MEMORY_PER_HOST_HELP,
-    )
+    add_memory_per_host(parser)
     return parser
 
 

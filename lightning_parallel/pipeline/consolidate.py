@@ -11,9 +11,9 @@ yet a checkpoint must be one consolidated file that loads under ``ddp`` or on on
    memory-mapped (``torch.load(mmap=True)``): the stage's tensors are then pages of a file,
    not process memory, and the next stage may come;
 3. the root merges every stage's pieces into its checkpoint and writes it with
-   :func:`save_atomically` (straight to a temporary file beside the target, then renamed: the
-   previous checkpoint stays whole until the new one is complete; Lightning's own writer would
-   first build the whole file in memory).
+   :func:`lightning_parallel.files.save_atomically` (a temporary file beside the target,
+   renamed: the previous checkpoint stays whole until the new one is complete; Lightning's own
+   writer would first build the whole file in memory).
 
 So the root holds its own stage plus one stage in transit; every other rank its own stage plus
 its serialized copy. :func:`broadcast_stage_state` is the older, all-ranks consolidation that
@@ -23,29 +23,15 @@ engines which keep the whole model on every rank (the DeepSpeed peer) still use.
 from __future__ import annotations
 
 import io
-import os
 import shutil
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 __all__: list[str] = []
-
-
-def stage_tensors(module: nn.Module) -> list[torch.Tensor]:
-    """Parameters then buffers of ``module``, each tensor once."""
-    seen: set[int] = set()
-    tensors = []
-    for tensor in [*module.parameters(), *module.buffers()]:
-        if id(tensor) not in seen:
-            seen.add(id(tensor))
-            tensors.append(tensor)
-    return tensors
 
 
 def _send_pieces(pieces: Any, root: int, group: dist.ProcessGroup | None) -> None:
@@ -109,23 +95,6 @@ def gather_to_root(
     return result if rank == root else None
 
 
-def save_atomically(checkpoint: Any, path: str | os.PathLike[str]) -> None:
-    """``torch.save(checkpoint, path)`` through a temporary file in the same folder, renamed
-    over ``path`` once complete (readers see the old file or the whole new one)."""
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
-    try:
-        with os.fdopen(handle, "wb") as stream:
-            torch.save(checkpoint, stream)
-            stream.flush()
-            os.fsync(stream.fileno())
-        os.replace(temporary, target)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
-
-
 def remove_spill(spill: Path | None) -> None:
     """Delete a spill folder (after the checkpoint that maps it was written)."""
     if spill is not None:
@@ -143,8 +112,8 @@ def broadcast_stage_state(
     (for engines that keep the whole model on every rank).
 
     Args:
-        stages: per stage, its parameters and buffers (:func:`stage_tensors`), in the same
-            order on every rank.
+        stages: per stage, its parameters and buffers (:func:`~.ownership.stage_tensors`), in
+            the same order on every rank.
         owners: global rank that holds the authoritative copy of each stage.
         own_stage: the stage this rank runs (its copy is kept as it is).
         group: group over which to broadcast (every rank of it takes part).

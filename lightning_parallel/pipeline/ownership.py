@@ -213,7 +213,7 @@ def stage_tensors_owned(model: nn.Module, stages: Sequence[nn.Module], stage: in
     where: dict[int, int] = {}
     per_stage: list[list[Tensor]] = []
     for index, stage_module in enumerate(stages):
-        tensors = _distinct_tensors(stage_module)
+        tensors = stage_tensors(stage_module)
         for tensor in tensors:
             if where.setdefault(id(tensor), index) != index:
                 raise TiedAcrossStagesError(
@@ -225,11 +225,12 @@ def stage_tensors_owned(model: nn.Module, stages: Sequence[nn.Module], stage: in
         per_stage.append(tensors)
     owned = list(per_stage[stage])
     if stage == len(stages) - 1:
-        owned += [t for t in _distinct_tensors(model) if id(t) not in where]
+        owned += [t for t in stage_tensors(model) if id(t) not in where]
     return owned
 
 
-def _distinct_tensors(module: nn.Module) -> list[Tensor]:
+def stage_tensors(module: nn.Module) -> list[Tensor]:
+    """Parameters then buffers of ``module``, each tensor once."""
     seen: set[int] = set()
     tensors = []
     for tensor in [*module.parameters(), *module.buffers()]:

@@ -58,16 +58,13 @@ from lightning_parallel.comm.groups import new_group
 from lightning_parallel.comm.ledger import process_ledger
 from lightning_parallel.comm.modules import broadcast_module_states, reduce_tensor
 from lightning_parallel.compat.types import StrPath
+from lightning_parallel.files import save_atomically
 from lightning_parallel.pipeline.checkpoint_layout import (
     load_whole_model_layout,
     merge_stages,
     whole_model_layout,
 )
-from lightning_parallel.pipeline.consolidate import (
-    gather_to_root,
-    remove_spill,
-    save_atomically,
-)
+from lightning_parallel.pipeline.consolidate import gather_to_root, remove_spill
 from lightning_parallel.pipeline.grad_sync import PartitionGradientSync
 from lightning_parallel.pipeline.microbatch import merge_microbatches, split_microbatches
 from lightning_parallel.pipeline.ownership import (

@@ -260,7 +260,8 @@ class DeepSpeedPipeStrategy(GroPipeStrategy):
     def consolidate(self) -> None:
         if self._engine is None or self.world_size == 1:
             return
-        from lightning_parallel.pipeline.consolidate import broadcast_stage_state, stage_tensors
+        from lightning_parallel.pipeline.consolidate import broadcast_stage_state
+        from lightning_parallel.pipeline.ownership import stage_tensors
 
         stages = [
             [
