@@ -23,6 +23,7 @@ __all__ = [
     "ResNet18",
     "ResNet50",
     "SyntheticImageDataModule",
+    "VGG16",
     "VGGMini",
     "build_datamodule",
     "build_model",
@@ -34,6 +35,7 @@ DemoClassifier = public_class(
 VGGMini = public_class("demo.models", "VGGMini", "A small VGG-style convolutional network.")
 ConvNet = public_class("demo.models", "ConvNet", "A two-convolution network.")
 MLP = public_class("demo.models", "MLP", "A deep multilayer perceptron of equal blocks.")
+VGG16 = public_class("demo.models", "VGG16", "VGG-16 for 32x32 images (BatchNorm).")
 ResNet18 = public_class("demo.models", "ResNet18", "CIFAR-style ResNet-18 (skip connections).")
 ResNet50 = public_class("demo.models", "ResNet50", "CIFAR-style ResNet-50 (bottlenecks).")
 DigitsDataModule = public_class(
@@ -47,6 +49,7 @@ MODELS: dict[str, Any] = {
     "vgg_mini": VGGMini,
     "convnet": ConvNet,
     "mlp": MLP,
+    "vgg16": VGG16,
     "resnet18": ResNet18,
     "resnet50": ResNet50,
 }
@@ -75,7 +78,7 @@ def build_model(
     name: str, data: Any = None, namespace: Namespace | None = None, **kwargs: Any
 ) -> Any:
     """Build the bundled model ``name`` (``"vgg_mini"``, ``"convnet"``, ``"mlp"``,
-    ``"resnet18"``, ``"resnet50"``).
+    ``"vgg16"``, ``"resnet18"``, ``"resnet50"``).
 
     Given ``data``, the model's ``input_shape`` and ``num_classes`` are taken from it, and the
     model is built for ``data``'s Lightning.

@@ -1,11 +1,12 @@
-"""Bundled models: ``vgg_mini``, ``convnet``, ``mlp``, ``resnet18`` and ``resnet50``.
+"""Bundled models: ``vgg_mini``, ``convnet``, ``mlp``, ``vgg16``, ``resnet18``, ``resnet50``.
 
 Every model keeps its whole network in ``self.layers`` and ``forward(x) == self.layers(x)``.
-For ``vgg_mini``, ``convnet`` and ``mlp`` it is an ``nn.Sequential`` of blocks, which pipeline
-strategies split into stages directly; the ResNets are written the usual way, with skip
-connections (:mod:`lightning_parallel.demo.resnet`), and pipelines cut them with torch.fx. Every
-other strategy treats the model as one module. All log ``train_loss``, ``val_loss`` and
-``val_acc`` (``torchmetrics``), and ``test_loss``/``test_acc`` under ``trainer.test``.
+For ``vgg_mini``, ``convnet``, ``mlp`` and ``vgg16`` it is an ``nn.Sequential`` of blocks,
+which pipeline strategies split into stages directly; the ResNets are written the usual way,
+with skip connections (:mod:`lightning_parallel.demo.resnet`), and pipelines cut them with
+torch.fx. Every other strategy treats the model as one module. All log ``train_loss``,
+``val_loss`` and ``val_acc`` (``torchmetrics``), and ``test_loss``/``test_acc`` under
+``trainer.test``.
 """
 
 from __future__ import annotations
@@ -283,6 +284,52 @@ class MLP(DemoClassifier):
         return layers
 
 
+_VGG16 = (1, 1, "M", 2, 2, "M", 4, 4, 4, "M", 8, 8, 8, "M", 8, 8, 8, "M")
+
+
+class VGG16(DemoClassifier):
+    """VGG-16 for 32x32 images: thirteen 3x3 convolutions in five stages, then a classifier.
+
+    The CIFAR form of Simonyan & Zisserman's network: the convolutions of VGG-16 (channels
+    ``w, 2w, 4w, 8w, 8w``, a max pooling after each stage), BatchNorm after every convolution,
+    and one linear layer on the ``8w`` features of the 1x1 map. With ``width=64``,
+    ``batch_norm=True`` and 10 classes it has 14,728,266 parameters, the usual CIFAR VGG-16.
+
+    Args:
+        width: channels of the first stage (default 16; 64 is the published network).
+        batch_norm: BatchNorm after every convolution (default ``True``).
+        **kwargs: see :class:`DemoClassifier` (``lr`` defaults to 0.02 here).
+    """
+
+    def __init__(self, width: int = 16, batch_norm: bool = True, **kwargs: Any) -> None:
+        if width < 1:
+            raise ValueError(f"width must be at least 1, got {width}")
+        self.width, self.batch_norm = width, batch_norm
+        kwargs.setdefault("lr", 0.02)
+        super().__init__(**kwargs)
+
+    def build_layers(self, input_shape: tuple[int, int, int], num_classes: int) -> nn.Sequential:
+        channels, height, width = input_shape
+        if height % 32 or width % 32:
+            raise ValueError(
+                f"vgg16 pools five times: it needs height and width divisible by 32 (CIFAR's "
+                f"32x32), got {input_shape}; use --data synthetic (32x32) or vgg_mini for digits"
+            )
+        layers: list[nn.Module] = []
+        current = channels
+        for entry in _VGG16:
+            if entry == "M":
+                layers.append(nn.MaxPool2d(2))
+                continue
+            out = int(entry) * self.width
+            layers.append(_conv_block(current, out, self.batch_norm))
+            current = out
+        flat = current * (height // 32) * (width // 32)
+        network = nn.Sequential(*layers, nn.Flatten(), nn.Linear(flat, num_classes))
+        _vgg_init(network)
+        return network
+
+
 class _ResNet(DemoClassifier):
     architecture = "resnet18"
 
@@ -324,6 +371,7 @@ MODELS: dict[str, type[DemoClassifier]] = {
     "vgg_mini": VGGMini,
     "convnet": ConvNet,
     "mlp": MLP,
+    "vgg16": VGG16,
     "resnet18": ResNet18,
     "resnet50": ResNet50,
 }
