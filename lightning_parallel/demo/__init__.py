@@ -18,8 +18,10 @@ __all__ = [
     "MLP",
     "MODELS",
     "ConvNet",
+    "CorpusDataModule",
     "DemoClassifier",
     "DigitsDataModule",
+    "GPT",
     "ResNet18",
     "ResNet50",
     "SyntheticImageDataModule",
@@ -36,6 +38,7 @@ VGGMini = public_class("demo.models", "VGGMini", "A small VGG-style convolutiona
 ConvNet = public_class("demo.models", "ConvNet", "A two-convolution network.")
 MLP = public_class("demo.models", "MLP", "A deep multilayer perceptron of equal blocks.")
 VGG16 = public_class("demo.models", "VGG16", "VGG-16 for 32x32 images (BatchNorm).")
+GPT = public_class("demo.models", "GPT", "A decoder-only transformer (next-token prediction).")
 ResNet18 = public_class("demo.models", "ResNet18", "CIFAR-style ResNet-18 (skip connections).")
 ResNet50 = public_class("demo.models", "ResNet50", "CIFAR-style ResNet-50 (bottlenecks).")
 DigitsDataModule = public_class(
@@ -52,8 +55,16 @@ MODELS: dict[str, Any] = {
     "vgg16": VGG16,
     "resnet18": ResNet18,
     "resnet50": ResNet50,
+    "gpt": GPT,
 }
-DATAMODULES: dict[str, Any] = {"digits": DigitsDataModule, "synthetic": SyntheticImageDataModule}
+CorpusDataModule = public_class(
+    "demo.data", "CorpusDataModule", "Generated token sequences (a Markov chain) for gpt."
+)
+DATAMODULES: dict[str, Any] = {
+    "digits": DigitsDataModule,
+    "synthetic": SyntheticImageDataModule,
+    "corpus": CorpusDataModule,
+}
 
 
 def _lookup(kind: str, table: dict[str, Any], name: str) -> None:
@@ -62,7 +73,7 @@ def _lookup(kind: str, table: dict[str, Any], name: str) -> None:
 
 
 def build_datamodule(name: str, namespace: Namespace | None = None, **kwargs: Any) -> Any:
-    """Build the bundled data module ``name`` (``"digits"`` or ``"synthetic"``).
+    """Build the bundled data module ``name`` (``"digits"``, ``"synthetic"`` or ``"corpus"``).
 
     Args:
         name: the data set's short name.
@@ -78,7 +89,7 @@ def build_model(
     name: str, data: Any = None, namespace: Namespace | None = None, **kwargs: Any
 ) -> Any:
     """Build the bundled model ``name`` (``"vgg_mini"``, ``"convnet"``, ``"mlp"``,
-    ``"vgg16"``, ``"resnet18"``, ``"resnet50"``).
+    ``"vgg16"``, ``"resnet18"``, ``"resnet50"``, ``"gpt"``).
 
     Given ``data``, the model's ``input_shape`` and ``num_classes`` are taken from it, and the
     model is built for ``data``'s Lightning.

@@ -1,4 +1,4 @@
-"""Bundled models: ``vgg_mini``, ``convnet``, ``mlp``, ``vgg16``, ``resnet18``, ``resnet50``.
+"""Bundled models: vgg_mini, convnet, mlp, vgg16, resnet18, resnet50 and gpt, as LightningModules.
 
 Every model keeps its whole network in ``self.layers`` and ``forward(x) == self.layers(x)``.
 For ``vgg_mini``, ``convnet``, ``mlp`` and ``vgg16`` it is an ``nn.Sequential`` of blocks,
@@ -20,6 +20,7 @@ from pytorch_lightning import LightningModule
 from torch import nn
 from torchmetrics.classification import MulticlassAccuracy
 
+from lightning_parallel.demo.gpt import GPTNetwork
 from lightning_parallel.demo.resnet import resnet
 
 __all__: list[str] = []
@@ -63,10 +64,10 @@ class DemoClassifier(LightningModule):
         self.lr_schedule = lr_schedule
         if lr <= 0:
             raise ValueError(f"lr must be positive, got {lr}")
-        if len(input_shape) != 3 or min(input_shape) < 1:
+        if not input_shape or min(input_shape) < 1:
             raise ValueError(
-                "input_shape must be (channels, height, width) of positive sizes, "
-                f"got {input_shape}"
+                "input_shape must be the positive sizes of one sample ((channels, height, "
+                f"width) for images, (context,) for token sequences), got {input_shape}"
             )
         self.save_hyperparameters()
         self.lr, self.momentum, self.weight_decay, self.optimizer_name = (
@@ -284,6 +285,54 @@ class MLP(DemoClassifier):
         return layers
 
 
+class GPT(DemoClassifier):
+    """A decoder-only transformer predicting the next token (:mod:`lightning_parallel.demo.gpt`).
+
+    Built for a token data set (``corpus``): ``input_shape`` is ``(context,)`` and
+    ``num_classes`` the vocabulary. The loss and the accuracy are over every position of every
+    sequence.
+
+    Args:
+        d_model: width of the embeddings and blocks (768 for GPT-2 small).
+        depth: transformer blocks (12 for GPT-2 small).
+        heads: attention heads (``d_model`` must be a multiple; 12 for GPT-2 small).
+        **kwargs: see :class:`DemoClassifier` (``optimizer`` defaults to ``"adamw"``, ``lr`` to
+            3e-3 and ``lr_schedule`` to ``"cosine"`` here).
+    """
+
+    def __init__(self, d_model: int = 64, depth: int = 2, heads: int = 4, **kwargs: Any) -> None:
+        self.d_model, self.depth, self.heads = d_model, depth, heads
+        kwargs.setdefault("optimizer", "adamw")
+        kwargs.setdefault("lr", 3e-3)
+        kwargs.setdefault("lr_schedule", "cosine")
+        kwargs.setdefault("input_shape", (64,))
+        kwargs.setdefault("num_classes", 256)
+        super().__init__(**kwargs)
+
+    def build_layers(self, input_shape: tuple[int, ...], num_classes: int) -> nn.Module:  # type: ignore[override]
+        if len(input_shape) != 1:
+            raise ValueError(
+                f"gpt reads token sequences: input_shape must be (context,), got {input_shape}; "
+                "use --data corpus"
+            )
+        return GPTNetwork(num_classes, input_shape[0], self.d_model, self.depth, self.heads)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = F.cross_entropy(self(x).flatten(0, 1), y.flatten())
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def _evaluate(self, batch: Any, prefix: str, metric: MulticlassAccuracy) -> torch.Tensor:
+        x, y = batch
+        logits, targets = self(x).flatten(0, 1), y.flatten()
+        loss = F.cross_entropy(logits, targets)
+        metric(logits, targets)
+        self.log(f"{prefix}_loss", loss, prog_bar=True, sync_dist=True)
+        self.log(f"{prefix}_acc", metric, prog_bar=True)
+        return loss
+
+
 _VGG16 = (1, 1, "M", 2, 2, "M", 4, 4, 4, "M", 8, 8, 8, "M", 8, 8, 8, "M")
 
 
@@ -374,4 +423,5 @@ MODELS: dict[str, type[DemoClassifier]] = {
     "vgg16": VGG16,
     "resnet18": ResNet18,
     "resnet50": ResNet50,
+    "gpt": GPT,
 }

@@ -30,6 +30,7 @@ from torch.distributed import distributed_c10d as c10d
 from torch.optim import Optimizer
 
 from lightning_parallel.comm.groups import new_group
+from lightning_parallel.optimizers import rebuild_optimizer
 from lightning_parallel.parameter_server.budget import EpochBudget
 from lightning_parallel.parameter_server.client import ParameterClient
 from lightning_parallel.parameter_server.faults import Heartbeat, Watchdog, heartbeat_store
@@ -78,14 +79,7 @@ def shard_optimizer(template: Optimizer, first: int, parameters: list[Tensor]) -
             settings = {key: value for key, value in group.items() if key != "params"}
             groups.append({**settings, "params": parameters[lo - first : hi - first]})
         index += size
-    try:
-        return type(template)(groups, **template.defaults)
-    except TypeError as error:
-        raise TypeError(
-            f"the parameter server rebuilds the optimizer on its shard as "
-            f"{type(template).__name__}(param_groups, **defaults), which failed: {error}. Use an "
-            "optimizer whose constructor accepts its own `defaults` (every torch.optim one does)"
-        ) from error
+    return rebuild_optimizer(template, groups)
 
 
 def _optimizer_factory(template: Optimizer, first: int) -> Callable[[list[Tensor]], Optimizer]:

@@ -26,6 +26,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_parallel.optimizers import rebuild_optimizer
+
 __all__: list[str] = []
 
 
@@ -162,22 +164,15 @@ def restrict_optimizer(
             that learning-rate schedulers keep their group indices.
 
     Raises:
-        TypeError: the optimizer class cannot be rebuilt as ``cls(param_groups, **defaults)``.
+        TypeError: the optimizer class cannot be rebuilt
+            (:func:`~lightning_parallel.optimizers.rebuild_optimizer`).
     """
     groups: list[dict[str, Any]] = []
     for group in optimizer.param_groups:
         settings = {key: value for key, value in group.items() if key != "params"}
         kept = [keep[id(p)] for p in group["params"] if id(p) in keep]
         groups.append({**settings, "params": kept})
-    try:
-        restricted = type(optimizer)(groups, **optimizer.defaults)
-    except TypeError as error:
-        raise TypeError(
-            f"the pipeline rebuilds {type(optimizer).__name__} over the stage's own parameters "
-            f"as {type(optimizer).__name__}(param_groups, **defaults), which failed: {error}; "
-            "use an optimizer whose constructor accepts its own defaults (every torch.optim one "
-            "does)"
-        ) from error
+    restricted = rebuild_optimizer(optimizer, groups)
     for group in optimizer.param_groups:
         for parameter in group["params"]:
             state = optimizer.state.get(parameter)

@@ -143,3 +143,39 @@ def test_cosine_schedule_decays_the_learning_rate_to_zero_over_the_fit():
     assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.0)
     with pytest.raises(ValueError, match="lr_schedule"):
         build_model("mlp", lr_schedule="step")
+
+
+def test_gpt_has_gpt2_small_size_and_refuses_images():
+    from lightning_parallel.demo.gpt import GPTNetwork
+
+    with torch.device("meta"):  # GPT-2 small's sizes, untied head
+        network = GPTNetwork(50257, 1024, 768, 12, 12)
+    assert _count(network) == 163_037_184
+    with pytest.raises(ValueError, match="use --data corpus"):
+        build_model("gpt", input_shape=(3, 32, 32), num_classes=10)
+
+
+def test_the_corpus_is_a_markov_chain_a_gpt_learns(tmp_path):
+    data = build_datamodule("corpus", batch_size=32, num_samples=2048)
+    data.setup()
+    x, y = data.train_set.tensors
+    assert x.shape == (2048, 64) and torch.equal(x[:, 1:], y[:, :-1])
+    # the most frequent successor of each token follows it about 0.53 of the time
+    pairs = torch.stack([x.flatten(), y.flatten()], 1)
+    counts = torch.zeros(256, 256).index_put_(
+        (pairs[:, 0], pairs[:, 1]), torch.ones(len(pairs)), accumulate=True
+    )
+    best = counts.max(1).values.sum() / counts.sum()
+    assert 0.5 < float(best) < 0.57
+    model = build_model("gpt", data)
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(model, datamodule=data)
+    assert float(trainer.callback_metrics["val_acc"]) > 0.45  # chance: 1/256
