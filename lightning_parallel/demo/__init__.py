@@ -22,6 +22,8 @@ __all__ = [
     "DemoClassifier",
     "DigitsDataModule",
     "GPT",
+    "InteractionsDataModule",
+    "Recommender",
     "ResNet18",
     "ResNet50",
     "SyntheticImageDataModule",
@@ -39,6 +41,9 @@ ConvNet = public_class("demo.models", "ConvNet", "A two-convolution network.")
 MLP = public_class("demo.models", "MLP", "A deep multilayer perceptron of equal blocks.")
 VGG16 = public_class("demo.models", "VGG16", "VGG-16 for 32x32 images (BatchNorm).")
 GPT = public_class("demo.models", "GPT", "A decoder-only transformer (next-token prediction).")
+Recommender = public_class(
+    "demo.models", "Recommender", "LSTM + autoencoder + attention recommender (two inputs)."
+)
 ResNet18 = public_class("demo.models", "ResNet18", "CIFAR-style ResNet-18 (skip connections).")
 ResNet50 = public_class("demo.models", "ResNet50", "CIFAR-style ResNet-50 (bottlenecks).")
 DigitsDataModule = public_class(
@@ -56,7 +61,11 @@ MODELS: dict[str, Any] = {
     "resnet18": ResNet18,
     "resnet50": ResNet50,
     "gpt": GPT,
+    "recommender": Recommender,
 }
+InteractionsDataModule = public_class(
+    "demo.data", "InteractionsDataModule", "Generated user-item interactions for recommender."
+)
 CorpusDataModule = public_class(
     "demo.data", "CorpusDataModule", "Generated token sequences (a Markov chain) for gpt."
 )
@@ -64,6 +73,7 @@ DATAMODULES: dict[str, Any] = {
     "digits": DigitsDataModule,
     "synthetic": SyntheticImageDataModule,
     "corpus": CorpusDataModule,
+    "interactions": InteractionsDataModule,
 }
 
 
@@ -73,7 +83,8 @@ def _lookup(kind: str, table: dict[str, Any], name: str) -> None:
 
 
 def build_datamodule(name: str, namespace: Namespace | None = None, **kwargs: Any) -> Any:
-    """Build the bundled data module ``name`` (``"digits"``, ``"synthetic"`` or ``"corpus"``).
+    """Build the bundled data module ``name`` (``"digits"``, ``"synthetic"``, ``"corpus"``,
+    ``"interactions"``).
 
     Args:
         name: the data set's short name.
@@ -89,7 +100,7 @@ def build_model(
     name: str, data: Any = None, namespace: Namespace | None = None, **kwargs: Any
 ) -> Any:
     """Build the bundled model ``name`` (``"vgg_mini"``, ``"convnet"``, ``"mlp"``,
-    ``"vgg16"``, ``"resnet18"``, ``"resnet50"``, ``"gpt"``).
+    ``"vgg16"``, ``"resnet18"``, ``"resnet50"``, ``"gpt"``, ``"recommender"``).
 
     Given ``data``, the model's ``input_shape`` and ``num_classes`` are taken from it, and the
     model is built for ``data``'s Lightning.

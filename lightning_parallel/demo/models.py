@@ -1,4 +1,4 @@
-"""Bundled models: vgg_mini, convnet, mlp, vgg16, resnet18, resnet50 and gpt, as LightningModules.
+"""Bundled models: vgg_mini, convnet, mlp, vgg16, resnet18, resnet50, gpt and recommender.
 
 Every model keeps its whole network in ``self.layers`` and ``forward(x) == self.layers(x)``.
 For ``vgg_mini``, ``convnet``, ``mlp`` and ``vgg16`` it is an ``nn.Sequential`` of blocks,
@@ -21,6 +21,7 @@ from torch import nn
 from torchmetrics.classification import MulticlassAccuracy
 
 from lightning_parallel.demo.gpt import GPTNetwork
+from lightning_parallel.demo.recommender import RecommenderNetwork
 from lightning_parallel.demo.resnet import resnet
 
 __all__: list[str] = []
@@ -333,6 +334,76 @@ class GPT(DemoClassifier):
         return loss
 
 
+class Recommender(DemoClassifier):
+    """The compound recommender (:mod:`lightning_parallel.demo.recommender`): two inputs, two
+    outputs, a two-part loss.
+
+    Built for ``interactions``: ``input_shape`` is ``(history length, user features)`` and
+    ``num_classes`` the items. A batch is ``(history, features, next item)``; the loss is the
+    cross-entropy of the next item plus ``reconstruction_weight`` times the mean squared error
+    of the reconstructed features; accuracy is of the next item.
+
+    Args:
+        width: embedding, LSTM and hidden width.
+        code: width of the autoencoder's code.
+        lstm_layers: stacked LSTM layers.
+        reconstruction_weight: weight of the autoencoder's loss.
+        **kwargs: see :class:`DemoClassifier` (``optimizer`` defaults to ``"adamw"``, ``lr`` to
+            3e-3 here).
+    """
+
+    def __init__(
+        self,
+        width: int = 64,
+        code: int = 16,
+        lstm_layers: int = 1,
+        reconstruction_weight: float = 0.1,
+        **kwargs: Any,
+    ) -> None:
+        self.width, self.code, self.lstm_layers = width, code, lstm_layers
+        self.reconstruction_weight = reconstruction_weight
+        kwargs.setdefault("optimizer", "adamw")
+        kwargs.setdefault("lr", 3e-3)
+        kwargs.setdefault("input_shape", (16, 32))
+        kwargs.setdefault("num_classes", 200)
+        super().__init__(**kwargs)
+
+    def build_layers(self, input_shape: tuple[int, ...], num_classes: int) -> nn.Module:  # type: ignore[override]
+        if len(input_shape) != 2:
+            raise ValueError(
+                "recommender reads (history, features): input_shape must be (history length, "
+                f"user features), got {input_shape}; use --data interactions"
+            )
+        return RecommenderNetwork(
+            num_classes, input_shape[1], self.width, self.code, self.lstm_layers
+        )
+
+    def forward(self, history: torch.Tensor, features: torch.Tensor) -> Any:  # type: ignore[override]
+        return self.layers(history, features)
+
+    def _loss(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        history, features, target = batch
+        scores, reconstruction = self(history, features)
+        loss = F.cross_entropy(scores, target)
+        loss = loss + self.reconstruction_weight * F.mse_loss(reconstruction, features)
+        return loss, scores, target
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss, _, _ = self._loss(batch)
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def _evaluate(self, batch: Any, prefix: str, metric: MulticlassAccuracy) -> torch.Tensor:
+        loss, scores, target = self._loss(batch)
+        metric(scores, target)
+        self.log(f"{prefix}_loss", loss, prog_bar=True, sync_dist=True)
+        self.log(f"{prefix}_acc", metric, prog_bar=True)
+        return loss
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self(batch[0], batch[1])[0].argmax(dim=-1)
+
+
 _VGG16 = (1, 1, "M", 2, 2, "M", 4, 4, 4, "M", 8, 8, 8, "M", 8, 8, 8, "M")
 
 
@@ -424,4 +495,5 @@ MODELS: dict[str, type[DemoClassifier]] = {
     "resnet18": ResNet18,
     "resnet50": ResNet50,
     "gpt": GPT,
+    "recommender": Recommender,
 }

@@ -172,7 +172,9 @@ class StageTransport:
         start = time.perf_counter()
         gradients = []
         for output in outputs:
-            gradient = torch.empty_like(output, device=self.device)
+            # contiguous whatever the output's layout (a slice or a transposed view): what
+            # arrives is packed, and receives need contiguous memory
+            gradient = torch.empty(output.shape, dtype=output.dtype, device=self.device)
             dist.recv(gradient, src=self.next_rank, group=self.group, tag=GRADIENT_TAG)
             gradients.append(gradient)
         return gradients, time.perf_counter() - start

@@ -479,17 +479,23 @@ class ParameterServerStrategy(ParallelStrategyBase):
 
     def _moved_past_loss(self, error: Exception) -> bool:
         runtime = self.runtime
-        if runtime is None or self.worker_loss != "continue":
+        if runtime is None or self.worker_loss != "continue" or self.failed:
+            return False  # not going on, or the run is already ending (its teardown's calls)
+        if runtime.failure is not None or not is_communication_error(error):
             return False
-        if not is_communication_error(error):
-            return False
+        liveness = self._liveness
+        if liveness is not None and time.monotonic() - liveness.last_answer > 3 * liveness.interval:
+            return False  # the store's host (rank 0) is gone: no verdict will come
         known = self.world_size - len(self.survivors or range(self.world_size))
         deadline = time.monotonic() + self.fault_timeout + 5.0
         self.set_activity("waiting for the server to declare a lost worker")
-        while (count := runtime.published_lost()) <= known:
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.1)
+        try:
+            while (count := runtime.published_lost()) <= known:
+                if time.monotonic() > deadline:
+                    return False
+                time.sleep(0.1)
+        except Exception:  # the store does not answer: its host failed too
+            return False
         self._adopt_losses(count)
         return True
 

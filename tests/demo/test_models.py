@@ -179,3 +179,26 @@ def test_the_corpus_is_a_markov_chain_a_gpt_learns(tmp_path):
     )
     trainer.fit(model, datamodule=data)
     assert float(trainer.callback_metrics["val_acc"]) > 0.45  # chance: 1/256
+
+
+def test_the_recommender_learns_the_interactions(tmp_path):
+    data = build_datamodule("interactions", batch_size=32, num_samples=2048)
+    data.setup()
+    history, features, target = data.train_set.tensors
+    assert history.shape == (2048, 16) and features.shape == (2048, 32) and target.shape == (2048,)
+    model = build_model("recommender", data)
+    scores, reconstruction = model(history[:4], features[:4])  # two inputs, two outputs
+    assert scores.shape == (4, 200) and reconstruction.shape == (4, 32)
+    with pytest.raises(ValueError, match="use --data interactions"):
+        build_model("recommender", input_shape=(3, 32, 32), num_classes=10)
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(model, datamodule=data)
+    assert float(trainer.callback_metrics["val_acc"]) > 0.4  # chance: 1/200

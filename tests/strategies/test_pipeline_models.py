@@ -1,8 +1,9 @@
 """The pipelines fit the bundled models that are not an ``nn.Sequential`` (fork, 2 processes).
 
-ResNets (skip connections: cuts carry two tensors, BatchNorm), VGG-16 (a deep sequence) and the
-GPT (token inputs, embeddings, attention), each split into 2 stages by ``gropipe`` and
-``spectrain``; every rank holds only its stage.
+ResNets (skip connections: cuts carry two tensors, BatchNorm), VGG-16 (a deep sequence), the
+GPT (token inputs, embeddings, attention) and the recommender (two inputs, two outputs, an
+LSTM), each split into 2 stages by ``gropipe`` and ``spectrain``; every rank holds only its
+stage.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ CASES = {
     "resnet18": ("synthetic", {"width": 8}),
     "vgg16": ("synthetic", {"width": 8}),
     "gpt": ("corpus", {}),
+    # two inputs, two outputs; a cut carries the LSTM's last state, a strided slice
+    "recommender": ("interactions", {}),
 }
 
 
