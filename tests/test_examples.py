@@ -75,3 +75,15 @@ def test_any_lightning_example_fits_with_only_that_lightning_imported(
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"ok {lightning} {value}:" in result.stdout
+
+
+@pytest.mark.slow
+def test_model_matrix_example_fits_a_strategy_on_a_model(tmp_path):
+    command = [sys.executable, str(ROOT / "examples" / "model_matrix.py")]
+    command += ["--strategy", "hylo", "--strategy", "spectrain", "--model", "recommender"]
+    result = subprocess.run(
+        [*command, "--steps", "2"], cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "| `recommender` | `hylo` | ok (train_loss" in result.stdout
+    assert "| `recommender` | `spectrain` | ok (train_loss" in result.stdout
