@@ -28,6 +28,7 @@ own cgroup keeps every limit the launcher runs under (a container's, a job's) ov
 
 from __future__ import annotations
 
+import abc
 import errno
 import os
 import re
@@ -72,7 +73,7 @@ def _swap_in_use() -> bool:
         return False
 
 
-class MemoryHierarchy:
+class MemoryHierarchy(abc.ABC):
     """A place to make memory cgroups and the names of their files (one subclass per version).
 
     The kernel-facing operations (:meth:`make_group`, :meth:`remove_group`) are methods so that a
@@ -109,17 +110,17 @@ class MemoryHierarchy:
         """The file a process writes its pid to in order to enter ``group``."""
         return group / "cgroup.procs"
 
+    @abc.abstractmethod
     def prepare(self, run_group: Path) -> None:
         """Make ``run_group`` under :attr:`base`, ready to hold memory-limited children."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def limit(self, group: Path, size: int) -> list[str]:
         """Cap ``group`` at ``size`` bytes, swap included; notes on what could not be done."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def oom_kills(self, group: Path) -> int:
         """How many processes of ``group`` the kernel's OOM killer has killed."""
-        raise NotImplementedError
 
 
 class CgroupV2(MemoryHierarchy):
