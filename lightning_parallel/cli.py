@@ -3,11 +3,14 @@
 Subcommands:
 
 - ``fit``, ``validate``, ``test``, ``predict``: a ``LightningCLI`` over the bundled demo models
-  and data (``--model vgg_mini|convnet|mlp``, ``--data digits|synthetic``) or any
-  ``--model``/``--data`` class path, with every strategy of this package available by name,
-  e.g. ``lightning-parallel fit --model convnet --data digits --trainer.devices 2
-  --trainer.strategy ddp_spawn``. The demo model's ``input_shape`` and ``num_classes`` follow
-  the data; a ``CommStats`` callback logs communication per step.
+  and data (``--model vgg_mini|convnet|mlp|vgg16|resnet18|resnet50|gpt|recommender``,
+  ``--data digits|synthetic|corpus|interactions|cifar10``; without ``--data`` a bundled model
+  trains on the bundled data of its kind) or any ``--model``/``--data`` class path, with every
+  strategy of this package available by name, e.g. ``lightning-parallel fit --model convnet
+  --data digits --accelerator cpu --devices 2 --trainer.strategy ddp_spawn``
+  (``--accelerator`` and ``--devices`` are ``--trainer.accelerator`` and
+  ``--trainer.devices``; ``cuda`` trains on GPUs). The demo model's ``input_shape`` and
+  ``num_classes`` follow the data; a ``CommStats`` callback logs communication per step.
 - ``cluster``: run a command on a simulated multi-host cluster (network namespaces).
 - ``bench``: compare strategies on the simulated cluster.
 - ``strategies``: list the strategy names this package registers.
@@ -31,26 +34,36 @@ _USAGE = (
 )
 
 
+# ``fit --accelerator cuda --devices 2`` means the trainer's
+_TRAINER_SHORTHANDS = {"--accelerator": "--trainer.accelerator", "--devices": "--trainer.devices"}
+
+
 def _expand_short_names(argv: list[str]) -> tuple[list[str], bool]:
-    """Replace demo short names after ``--model``/``--data`` by class paths.
+    """Replace demo short names after ``--model``/``--data`` by class paths, add the model's
+    bundled data when a bundled model is given without ``--data``, and spell ``--accelerator``
+    and ``--devices`` as the trainer's options.
 
     Returns the new argument list and whether both model and data are demo classes (then the
     model's input shape is linked to the data's).
     """
+    from lightning_parallel.demo import default_data
     from lightning_parallel.demo.data import DATAMODULES
     from lightning_parallel.demo.models import MODELS
 
     tables: dict[str, dict[str, type]] = {"--model": MODELS, "--data": DATAMODULES}
     out: list[str] = []
     demo = {"--model": True, "--data": True}
+    given: dict[str, str] = {}
     i = 0
     while i < len(argv):
         arg = argv[i]
         flag, _, value = arg.partition("=")
+        flag = _TRAINER_SHORTHANDS.get(flag, flag)
         if flag in tables and (value or i + 1 < len(argv)):
             if not value:
                 value = argv[i + 1]
                 i += 1
+            given[flag] = value
             table = tables[flag]
             if value in table:
                 cls = table[value]
@@ -66,9 +79,15 @@ def _expand_short_names(argv: list[str]) -> tuple[list[str], bool]:
                     )
                 demo[flag] = False
             out.append(f"{flag}={value}")
+        elif flag in _TRAINER_SHORTHANDS.values():
+            out.append(f"{flag}={value}" if value else flag)
         else:
             out.append(arg)
         i += 1
+    if given.get("--model") in MODELS and "--data" not in given:
+        # a bundled model without --data trains on the bundled data of its kind
+        cls = DATAMODULES[default_data(given["--model"])]
+        out.append(f"--data={cls.__module__}.{cls.__name__}")
     return out, demo["--model"] and demo["--data"]
 
 

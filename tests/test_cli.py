@@ -56,6 +56,23 @@ def test_short_names_expand_to_class_paths():
     assert not linked and argv[1] == "--model=my_pkg.Model"
 
 
+def test_a_bundled_model_alone_gets_its_data_and_the_device_flags_reach_the_trainer():
+    argv, linked = _expand_short_names(
+        ["fit", "--model", "gpt", "--accelerator", "cuda", "--devices=2"]
+    )
+    assert argv == [
+        "fit",
+        "--model=lightning_parallel.demo.models.GPT",
+        "--trainer.accelerator",
+        "cuda",
+        "--trainer.devices=2",
+        "--data=lightning_parallel.demo.data.CorpusDataModule",
+    ]
+    assert linked
+    argv, _ = _expand_short_names(["fit", "--model", "resnet18", "--data", "digits"])
+    assert argv[-1] == "--data=lightning_parallel.demo.data.DigitsDataModule"
+
+
 def test_unknown_model_name_names_the_choices():
     with pytest.raises(SystemExit, match="convnet"):
         _expand_short_names(["fit", "--model", "resnet9"])

@@ -32,17 +32,46 @@ def _parser() -> argparse.ArgumentParser:
         ),
     )
     parser.add_argument(
-        "-s", "--spec", action="append", default=[], metavar="SPEC", help="strategy (repeat)"
+        "-s",
+        "--spec",
+        action="append",
+        default=[],
+        metavar="SPEC",
+        help="strategy (repeat); 'all': every strategy name of this package, ddp and the "
+        "pipeline peers",
     )
     parser.add_argument("--hosts", type=int, default=2)
-    parser.add_argument("--procs-per-host", type=int, default=1)
+    parser.add_argument(
+        "--procs-per-host",
+        "--devices",
+        dest="procs_per_host",
+        type=int,
+        default=1,
+        help="processes per host, one device each (--devices is the same option)",
+    )
+    parser.add_argument(
+        "--accelerator",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cpu (one thread per process), or cuda: process R uses GPU R mod the GPUs "
+        "visible; NCCL is kept to its socket transport so the shaped links carry its "
+        "traffic, and ranks sharing a GPU use gloo on CUDA tensors",
+    )
     parser.add_argument("--bandwidth", default="1gbit", help="per host and direction (tc units)")
     parser.add_argument("--latency", default="1ms", help="one-way delay per host (e.g. 1ms, 0)")
     parser.add_argument(
-        "--model", default="vgg_mini", help="vgg_mini | convnet | mlp, with options NAME:k=v,..."
+        "--model",
+        default="vgg_mini",
+        help="vgg_mini | convnet | mlp | vgg16 | resnet18 | resnet50 | gpt | recommender, "
+        "with options NAME:k=v,...",
     )
     parser.add_argument(
-        "--data", default="digits", help="digits | synthetic, with options NAME:k=v,..."
+        "--data",
+        default=None,
+        help="digits | synthetic | corpus | interactions | cifar10:path=DIR, with options "
+        "NAME:k=v,... (default: the model's kind: digits for vgg_mini, convnet and mlp, "
+        "synthetic 32x32x3 images for vgg16 and the ResNets, corpus for gpt, interactions "
+        "for recommender)",
     )
     length = parser.add_mutually_exclusive_group()
     length.add_argument("--max-steps", type=int, default=None, help="default 200")
@@ -80,7 +109,8 @@ def main(argv: list[str]) -> int:
 
     from lightning_parallel.bench.report import plot, print_table, write_json
     from lightning_parallel.bench.runner import BenchConfig, run_benchmark
-    from lightning_parallel.bench.specs import available
+    from lightning_parallel.bench.specs import available, expand_specs, parse_spec
+    from lightning_parallel.demo import default_data
 
     console = Console(width=None if sys.stdout.isatty() else 200)
     if args.list:
@@ -92,7 +122,7 @@ def main(argv: list[str]) -> int:
         bandwidth=args.bandwidth,
         latency=args.latency,
         model=args.model,
-        data=args.data,
+        data=args.data or default_data(parse_spec(args.model).name),
         max_steps=args.max_steps if args.max_steps or args.epochs else 200,
         epochs=args.epochs,
         batch_size=args.batch_size,
@@ -100,6 +130,7 @@ def main(argv: list[str]) -> int:
         target_acc=args.target_acc,
         straggler=args.straggler,
         procs_per_host=args.procs_per_host,
+        accelerator=args.accelerator,
         warmup_steps=args.warmup_steps,
         timeout=args.timeout,
         faults=args.fault,
@@ -110,7 +141,7 @@ def main(argv: list[str]) -> int:
     try:
         with interrupt_on_signals():
             result = run_benchmark(
-                args.spec or ["ddp"],
+                expand_specs(args.spec or ["ddp"]),
                 config,
                 log_dir=args.log_dir,
                 progress=lambda line: console.print(line, markup=False, highlight=False),

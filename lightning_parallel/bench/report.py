@@ -66,6 +66,8 @@ def table(result: dict[str, Any]) -> Table:
         if not run["ok"]:
             first = str(run["error"]).strip().splitlines()
             status, reason = "FAILED", (first[0] if first else "")[:60]
+            if run.get("refused"):
+                status = "REFUSED"
             killed = run["extra"].get("out_of_memory")
             if killed:
                 size = format_memory_size(killed[0]["limit_bytes"])
@@ -101,7 +103,8 @@ def print_table(result: dict[str, Any], console: Console | None = None) -> None:
     console.print(table(result))
     for run in result["runs"]:
         if not run["ok"]:
-            console.print(f"[red]{escape(run['spec'])} failed:[/red] {escape(str(run['error']))}")
+            verb = "refused" if run.get("refused") else "failed"
+            console.print(f"[red]{escape(run['spec'])} {verb}:[/red] {escape(str(run['error']))}")
             if run["extra"].get("log"):
                 console.print(f"  log: {run['extra']['log']}", markup=False)
     if not result["config"].get("latency_emulated", True):

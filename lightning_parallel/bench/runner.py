@@ -8,7 +8,10 @@ For each SPEC, in order:
 3. the worker (``python -m lightning_parallel.bench.worker``) runs on every process slot with
    the same model, data, seed, batch size and steps; its output goes to a log file;
 4. the per-rank JSON files are summarized (:func:`summarize`); a run whose process failed or
-   wrote no record is kept with ``ok: false`` and the error, and the next SPEC runs.
+   wrote no record is kept with ``ok: false`` and the error, and the next SPEC runs; where a
+   process reports that the strategy declined the model or its settings (a clean error before
+   the first step, see :mod:`~lightning_parallel.bench.worker`) the run has ``refused: true``
+   and the reason as its error.
 
 With ``memory_per_host`` every host of step 2 also gets a memory cgroup of that size
 (:class:`~lightning_parallel.cluster.MemoryCaps`); a run whose process the kernel killed at the
@@ -74,6 +77,7 @@ class BenchConfig:
     target_acc: float = 0.9
     straggler: str | None = None
     procs_per_host: int = 1
+    accelerator: str = "cpu"
     warmup_steps: int = 5
     timeout: float = 900.0
     faults: list[str] = field(default_factory=list)
@@ -83,6 +87,8 @@ class BenchConfig:
         """Raise ``ValueError`` naming the fix for any inconsistent setting."""
         if self.hosts < 1 or self.procs_per_host < 1:
             raise ValueError("hosts and procs_per_host must be >= 1")
+        if self.accelerator not in ("cpu", "cuda"):
+            raise ValueError(f"accelerator must be 'cpu' or 'cuda', got {self.accelerator!r}")
         if (self.max_steps is None) == (self.epochs is None):
             raise ValueError("give exactly one of max_steps and epochs")
         if (self.max_steps is not None and self.max_steps < 1) or (
@@ -127,6 +133,7 @@ def _failed(spec: str, name: str, world_size: int, error: str, **extra: Any) -> 
         "strategy": name,
         "world_size": world_size,
         "ok": False,
+        "refused": False,
         "error": error,
         "steps": None,
         "samples": None,
@@ -197,6 +204,7 @@ def summarize(
         "strategy": name,
         "world_size": len(records),
         "ok": True,
+        "refused": False,
         "error": None,
         "steps": steps,
         "samples": sum(r["samples"] for r in records),
@@ -240,7 +248,7 @@ def _worker_command(spec: str, config: BenchConfig, output: Path) -> list[str]:
         sys.executable, "-m", "lightning_parallel.bench.worker",
         "--spec", spec, "--model", config.model, "--data", config.data,
         "--batch-size", str(config.batch_size), "--seed", str(config.seed),
-        "--output", str(output),
+        "--output", str(output), "--accelerator", config.accelerator,
     ]  # fmt: skip
     if config.max_steps is not None:
         command += ["--max-steps", str(config.max_steps)]
@@ -410,7 +418,15 @@ def run_spec(spec: str, config: BenchConfig, log_dir: Path) -> dict[str, Any]:
         failed = _failed(spec, name, config.world_size, report, **extra, **outcome)
         failed["wall_s"] = max(ended) if ended else None
         return failed
-    errors = [f"rank {r['rank']}: {r['error']}" for r in records if not r.get("ok")]
+    failing = [r for r in records if not r.get("ok")]
+    if any(r.get("refused") for r in failing):
+        # the strategy declined the model or its settings: the reason, not the other ranks'
+        # lost connections that follow it
+        reasons = sorted({r["error"] for r in failing if r.get("refused")})
+        refusal = _failed(spec, name, config.world_size, "\n".join(reasons), **extra)
+        refusal["refused"] = True
+        return refusal
+    errors = [f"rank {r['rank']}: {r['error']}" for r in failing]
     if result.returncode != 0 or errors or len(records) != config.world_size:
         lines = [result.message if result.returncode else "a process failed"]
         if result.returncode:
@@ -439,6 +455,8 @@ def run_benchmark(
     import torch
 
     config.validate()
+    if config.accelerator == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--accelerator cuda: this machine has no CUDA device; use cpu")
     if not specs:
         raise ValueError("give at least one SPEC, e.g. -s ddp")
     check_requirements()
@@ -451,7 +469,9 @@ def run_benchmark(
     for index, spec in enumerate(specs, 1):
         say(f"[{index}/{len(specs)}] {spec}: training on {config.hosts} simulated hosts ...")
         run = run_spec(spec, config, log_dir)
-        status = "ok" if run["ok"] else f"FAILED ({str(run['error']).splitlines()[0][:200]})"
+        verdict = "REFUSED" if run.get("refused") else "FAILED"
+        first = (str(run["error"]).strip().splitlines() or [""])[0][:200]
+        status = "ok" if run["ok"] else f"{verdict} ({first})"
         say(f"[{index}/{len(specs)}] {spec}: {status} in {run['extra'].get('total_s', 0):.0f} s")
         runs.append(run)
     settings = asdict(config)

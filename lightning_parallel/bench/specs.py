@@ -125,6 +125,23 @@ def available() -> dict[str, str]:
     return dict(sorted(names.items()))
 
 
+def expand_specs(specs: list[str]) -> list[str]:
+    """``specs`` with ``all`` replaced by every name of this package's registry, Lightning's
+    ``ddp`` and every baseline (the pipeline peers), in that order, each once."""
+    if "all" not in specs:
+        return list(specs)
+    from lightning_parallel.compat.registration import registered_names
+
+    load_plugins()
+    every = ["ddp", *sorted(registered_names()), *sorted(_BASELINES)]
+    expanded: list[str] = []
+    for spec in specs:
+        for name in every if spec == "all" else [spec]:
+            if name not in expanded:
+                expanded.append(name)
+    return expanded
+
+
 def resolve(spec: Spec | str) -> tuple[Callable[..., Strategy], dict[str, Any]]:
     """The constructor and keyword arguments that build ``spec``'s strategy.
 

@@ -22,6 +22,11 @@ one torch thread, and writes ``DIR/rank<R>.json`` with:
 6. the bytes of the training state this rank holds at train end: its parameters, their
    gradients and its optimizers' state (:mod:`lightning_parallel.bench.footprint`), as
    ``param_bytes``, ``grad_bytes``, ``optimizer_bytes``.
+
+A process that fails writes ``ok: false``, the error, and ``refused: true`` when the error is
+the strategy declining the model or its settings (a ``ValueError``, ``TypeError``,
+``ImportError`` or ``MisconfigurationException`` from building the strategy until the first
+training step finished).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import resource
 import sys
 import time
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,12 +49,15 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m lightning_parallel.bench.worker")
     parser.add_argument("--spec", required=True)
     parser.add_argument("--model", default="vgg_mini", help="NAME[:key=value,...]")
-    parser.add_argument("--data", default="digits", help="NAME[:key=value,...]")
+    parser.add_argument(
+        "--data", default=None, help="NAME[:key=value,...] (default: the model's kind)"
+    )
     parser.add_argument("--max-steps", type=int, default=None)
     parser.add_argument("--epochs", type=int, default=None)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", required=True, type=Path)
+    parser.add_argument("--accelerator", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument(
         "--progress-every",
         type=float,
@@ -75,7 +84,9 @@ def _skipped_batches(trainer: Any) -> int:
     return int(getattr(trainer.strategy, "skipped_batches", 0))
 
 
-def _make_probe(interface: str | None, progress_every: float | None = None) -> Any:
+def _make_probe(
+    interface: str | None, progress_every: float | None = None, progress: _Progress | None = None
+) -> Any:
     """The callback that measures steps, validations and the interface counter."""
     import pytorch_lightning as pl
     from pytorch_lightning.trainer.states import TrainerFn
@@ -127,6 +138,8 @@ def _make_probe(interface: str | None, progress_every: float | None = None) -> A
         ) -> None:
             self._previous_end = time.perf_counter()
             self.step_seconds.append(self._previous_end - self._batch_start)
+            if progress is not None:
+                progress.steps += 1
             if progress_every is not None and self._previous_end - self._printed > progress_every:
                 self._printed = self._previous_end
                 rank, step = trainer.global_rank, trainer.global_step
@@ -171,8 +184,55 @@ def _make_probe(interface: str | None, progress_every: float | None = None) -> A
     return Probe()
 
 
-def train(args: argparse.Namespace) -> dict[str, Any]:
-    """Train under ``args.spec`` on this process's share of the cluster; return the record."""
+# errors that mean "this strategy does not take this model or these settings": raised at
+# construction, setup or the first batch with the reason, they are recorded as a refusal
+_REFUSALS: tuple[type[BaseException], ...] = (ValueError, TypeError, ImportError)
+
+
+@dataclass
+class _Progress:
+    """How far a process got: the strategy was being built, training steps finished."""
+
+    strategy: bool = False
+    steps: int = 0
+
+
+def _is_refusal(error: BaseException, progress: _Progress) -> bool:
+    """A refusal: a clean error (``ValueError``, ``TypeError``, ``ImportError``, Lightning's
+    ``MisconfigurationException``) from building the strategy until the first training step
+    finished (an error in building the model or data is the bench's settings, not a refusal)."""
+    clean = isinstance(error, _REFUSALS) or type(error).__name__ == "MisconfigurationException"
+    return clean and progress.strategy and progress.steps == 0
+
+
+def _cuda_placement(spec: str, interface: str | None) -> tuple[list[int], str]:
+    """This process's GPU and the SPEC it runs on CUDA.
+
+    Rank ``R`` uses GPU ``R mod G`` of the ``G`` visible. NCCL is kept to its socket transport
+    on the host's interface (no shared memory, peer-to-peer or InfiniBand between simulated
+    hosts), so the shaped links carry its traffic. When ranks share a GPU (NCCL refuses two
+    ranks on one device) the SPEC gets ``process_group_backend=gloo`` unless it names one.
+    """
+    import torch
+
+    gpus = torch.cuda.device_count()
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    os.environ.update({"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_IB_DISABLE": "1"})
+    if interface:
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", interface)
+    if world > gpus and "process_group_backend" not in spec:
+        spec += ("," if ":" in spec else ":") + "process_group_backend=gloo"
+    return [rank % gpus], spec
+
+
+def train(args: argparse.Namespace, progress: _Progress | None = None) -> dict[str, Any]:
+    """Train under ``args.spec`` on this process's share of the cluster; return the record.
+
+    ``progress``, when given, follows how far training got (read after an error to tell a
+    refusal from a failure).
+    """
+    progress = progress if progress is not None else _Progress()
     import pytorch_lightning as pl
     import torch
     from pytorch_lightning.strategies import DDPStrategy
@@ -182,28 +242,33 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     from lightning_parallel.callbacks.straggler import Straggler
     from lightning_parallel.comm.accounting import ring_allreduce_bytes
     from lightning_parallel.comm.ledger import process_ledger
-    from lightning_parallel.demo import build_datamodule, build_model
+    from lightning_parallel.demo import build_datamodule, build_model, default_data
 
     torch.set_num_threads(1)  # hosts share the machine's cores: one thread per process
     num_nodes = int(os.environ.get("LP_CLUSTER_HOSTS", os.environ.get("WORLD_SIZE", "1")))
-    devices = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    devices: int | list[int] = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     interface = os.environ.get("LP_CLUSTER_INTERFACE") if local_rank == 0 else None
+    spec_text = args.spec
+    if args.accelerator == "cuda":
+        devices, spec_text = _cuda_placement(spec_text, os.environ.get("LP_CLUSTER_INTERFACE"))
 
     pl.seed_everything(args.seed, workers=True, verbose=False)
-    data, model_spec = parse_spec(args.data), parse_spec(args.model)
+    model_spec = parse_spec(args.model)
+    data = parse_spec(args.data or default_data(model_spec.name))
     datamodule = build_datamodule(
         data.name, **{"batch_size": args.batch_size, "seed": args.seed, **data.options}
     )
     model = build_model(model_spec.name, data=datamodule, **model_spec.options)
-    strategy = build_strategy(args.spec)
+    progress.strategy = True
+    strategy = build_strategy(spec_text)
     stats = CommStats(log=False)
-    probe = _make_probe(interface, args.progress_every)
+    probe = _make_probe(interface, args.progress_every, progress)
     straggler = Straggler.from_env()
     # the straggler sleeps in on_train_batch_end before the probe reads the clock
     callbacks: list[pl.Callback] = [stats, *([straggler] if straggler else []), probe]
     trainer = pl.Trainer(
-        accelerator="cpu",
+        accelerator=args.accelerator,
         devices=devices,
         num_nodes=num_nodes,
         strategy=strategy,
@@ -265,12 +330,14 @@ def main(argv: list[str] | None = None) -> int:
     rank = os.environ.get("RANK", "0")
     args.output.mkdir(parents=True, exist_ok=True)
     target = args.output / f"rank{rank}.json"
+    progress = _Progress()
     try:
-        record = train(args)
+        record = train(args, progress)
     except Exception as error:
         traceback.print_exc()
         record = {
             "ok": False,
+            "refused": _is_refusal(error, progress),
             "error": "\n".join(
                 [f"{type(error).__name__}: {error}", *getattr(error, "__notes__", [])]
             ),

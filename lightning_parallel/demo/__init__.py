@@ -15,8 +15,10 @@ from lightning_parallel.compat.public import public_class
 
 __all__ = [
     "DATAMODULES",
+    "DEFAULT_DATA",
     "MLP",
     "MODELS",
+    "CIFAR10DataModule",
     "ConvNet",
     "CorpusDataModule",
     "DemoClassifier",
@@ -31,6 +33,7 @@ __all__ = [
     "VGGMini",
     "build_datamodule",
     "build_model",
+    "default_data",
 ]
 
 DemoClassifier = public_class(
@@ -69,11 +72,26 @@ InteractionsDataModule = public_class(
 CorpusDataModule = public_class(
     "demo.data", "CorpusDataModule", "Generated token sequences (a Markov chain) for gpt."
 )
+CIFAR10DataModule = public_class(
+    "demo.data", "CIFAR10DataModule", "CIFAR-10 from its python-version files (given a path)."
+)
 DATAMODULES: dict[str, Any] = {
     "digits": DigitsDataModule,
     "synthetic": SyntheticImageDataModule,
     "corpus": CorpusDataModule,
     "interactions": InteractionsDataModule,
+    "cifar10": CIFAR10DataModule,
+}
+# the data set of each bundled model's kind, used when none is named
+DEFAULT_DATA: dict[str, str] = {
+    "vgg_mini": "digits",
+    "convnet": "digits",
+    "mlp": "digits",
+    "vgg16": "synthetic",
+    "resnet18": "synthetic",
+    "resnet50": "synthetic",
+    "gpt": "corpus",
+    "recommender": "interactions",
 }
 
 
@@ -84,7 +102,7 @@ def _lookup(kind: str, table: dict[str, Any], name: str) -> None:
 
 def build_datamodule(name: str, namespace: Namespace | None = None, **kwargs: Any) -> Any:
     """Build the bundled data module ``name`` (``"digits"``, ``"synthetic"``, ``"corpus"``,
-    ``"interactions"``).
+    ``"interactions"``, ``"cifar10"`` given ``path``).
 
     Args:
         name: the data set's short name.
@@ -94,6 +112,13 @@ def build_datamodule(name: str, namespace: Namespace | None = None, **kwargs: An
     _lookup("data", DATAMODULES, name)
     module = layer.import_layer(namespace or active(), "demo.data")
     return module.DATAMODULES[name](**kwargs)
+
+
+def default_data(model: str) -> str:
+    """The bundled data set of ``model``'s kind: ``digits`` for the small CNNs and the MLP,
+    ``synthetic`` 32x32x3 images for vgg16 and the ResNets, ``corpus`` for gpt,
+    ``interactions`` for recommender (``digits`` for a model that is not bundled)."""
+    return DEFAULT_DATA.get(model, "digits")
 
 
 def build_model(

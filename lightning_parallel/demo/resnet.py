@@ -109,6 +109,13 @@ class ResNetNetwork(nn.Module):
         out = self.blocks(self.stem(x))
         return self.fc(self.pool(out).flatten(1))
 
+    def as_sequential(self) -> nn.Sequential:
+        """The same modules as one ``nn.Sequential`` (stem, each block, pooling, flatten,
+        classifier), computing what :meth:`forward` computes: the list of layers that engines
+        taking a layer list (DeepSpeed's ``PipelineModule``, torchgpipe's ``GPipe``) are given.
+        """
+        return nn.Sequential(self.stem, *self.blocks, self.pool, nn.Flatten(), self.fc)
+
 
 ARCHITECTURES: dict[str, tuple[type[BasicBlock] | type[Bottleneck], tuple[int, int, int, int]]] = {
     "resnet18": (BasicBlock, (2, 2, 2, 2)),

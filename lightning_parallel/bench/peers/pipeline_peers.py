@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_parallel.bench.peers.layers import peer_layers
 from lightning_parallel.bench.specs import register_baseline
 from lightning_parallel.comm.ledger import process_ledger
 from lightning_parallel.pipeline.grad_sync import SyncTiming
@@ -59,6 +60,7 @@ class TorchPipeliningStrategy(GroPipeStrategy):
         super().__init__(stages=stages, micro_batches=micro_batches, schedule=schedule, **kwargs)
         self._torch_schedule: Any = None
         self._torch_count = 0
+        self._peer_name = f"torch_{schedule}"
 
     def _build_schedule(
         self, pipeline: Pipeline, count: int, loss: Callable[[Tensor, Tensor], Tensor]
@@ -67,8 +69,9 @@ class TorchPipeliningStrategy(GroPipeStrategy):
 
         assert self._topology is not None and self._groups is not None
         group = self._groups.pipeline
+        module = pipeline.stages[self.stage_index]
         stage = PipelineStage(
-            pipeline.stages[self.stage_index],
+            _OneCut(module) if self.stage_index > 0 else module,
             self.stage_index,
             self.stages,
             self.root_device,
@@ -116,6 +119,13 @@ class TorchPipeliningStrategy(GroPipeStrategy):
         if first:
             assert inputs is not None
             arguments = merge_microbatches(list(inputs))
+            if len(arguments) != 1:
+                raise ValueError(
+                    f"{self._peer_name} feeds one input tensor to the first stage (torch's "
+                    f"PipelineStage as its documentation uses it); this model's forward takes "
+                    f"{len(arguments)} inputs: compare on a one-input model, or use gropipe or "
+                    "spectrain, which pipeline several inputs"
+                )
             self._torch_schedule.step(*arguments, target=target, losses=[])
         else:
             self._torch_schedule.step(target=target, losses=[])
@@ -147,6 +157,22 @@ class TorchPipeliningStrategy(GroPipeStrategy):
         if self.groups > 1:
             ledger.set_gauge("allreduce_seconds", sum(summary.sync_seconds))
             ledger.set_gauge("allreduce_exposed_seconds", sum(summary.exposed_seconds))
+
+
+class _OneCut(torch.nn.Module):
+    """A stage after the first, called the way torch's ``PipelineStage`` calls it.
+
+    torch passes the tensors of a cut that carries several (a skip connection, a transformer's
+    hidden state with its mask) as separate positional arguments; our stages take the cut as
+    one argument.
+    """
+
+    def __init__(self, stage: torch.nn.Module) -> None:
+        super().__init__()
+        self.stage = stage
+
+    def forward(self, *cut: Any) -> Any:
+        return self.stage(cut if len(cut) > 1 else cut[0])
 
 
 def _batch_length(batch: Any) -> int:
@@ -206,8 +232,9 @@ class DeepSpeedPipeStrategy(GroPipeStrategy):
         module = self.lightning_module
         assert module is not None
         deepspeed.init_distributed(dist_backend=dist.get_backend())
-        body = self._body
-        self._layers = list(body) if isinstance(body, torch.nn.Sequential) else [body]
+        network = getattr(module, "layers", None)
+        body = network if isinstance(network, torch.nn.Module) else self._body
+        self._layers = list(peer_layers(body, "deepspeed_pipe"))
         pipe = PipelineModule(
             layers=self._layers,
             num_stages=self.stages,
@@ -237,6 +264,13 @@ class DeepSpeedPipeStrategy(GroPipeStrategy):
             raise ValueError(
                 f"deepspeed_pipe needs batches divisible by micro_batches={self.micro_batches}, "
                 f"got {length} samples"
+            )
+        if not isinstance(batch, (list, tuple)) or len(batch) != 2:
+            parts = len(batch) if isinstance(batch, (list, tuple)) else 1
+            raise ValueError(
+                "deepspeed_pipe feeds (input, target) batches to a PipelineModule with a "
+                f"cross-entropy loss; this model's batches have {parts} parts: compare on a "
+                "one-input classifier, or use gropipe or spectrain, which pipeline several inputs"
             )
         if self._engine is None:
             self._engine = self._build_engine(length)

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from pytorch_lightning.strategies import DDPStrategy
 from torch import Tensor, nn
 
+from lightning_parallel.bench.peers.layers import peer_layers
 from lightning_parallel.bench.specs import register_baseline
 from lightning_parallel.comm.ledger import process_ledger
 
@@ -62,6 +63,7 @@ class TorchGPipeStrategy(DDPStrategy):
         self.checkpoint = checkpoint
         self.balance: list[int] | None = None
         self._pipe: Any = None
+        self._whole_forward: Any = None
         self.pipelined_batches = 0
 
     def setup(self, trainer: Any) -> None:
@@ -82,9 +84,11 @@ class TorchGPipeStrategy(DDPStrategy):
         from torchgpipe.balance import balance_by_time
 
         module = self.lightning_module
-        layers = getattr(module, "layers", None)
-        if not isinstance(layers, nn.Sequential):
-            raise ValueError("the torchgpipe peer needs the model's layers in `self.layers`")
+        body = getattr(module, "layers", None)
+        if not isinstance(body, nn.Module):
+            raise ValueError("the torchgpipe peer needs the model's network in `self.layers`")
+        layers = peer_layers(body, "torchgpipe")
+        self._whole_forward = body.forward
         micro = sample[: max(1, len(sample) // self.micro_batches)]
         devices = [self.root_device] * self.stages
         self.balance = [
@@ -97,13 +101,14 @@ class TorchGPipeStrategy(DDPStrategy):
             chunks=self.micro_batches,
             checkpoint=self.checkpoint,
         )
-        layers.forward = self._forward  # type: ignore[method-assign]
+        body.forward = self._forward  # type: ignore[method-assign]
 
     def _forward(self, x: Tensor) -> Tensor:
         if torch.is_grad_enabled() and self._pipe is not None:
             self.pipelined_batches += 1
             return self._pipe(x)
-        return nn.Sequential.forward(self.lightning_module.layers, x)  # type: ignore[union-attr, arg-type]
+        assert self._whole_forward is not None
+        return self._whole_forward(x)
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._pipe is None:
@@ -152,7 +157,7 @@ class TorchGPipeStrategy(DDPStrategy):
     def teardown(self) -> None:
         module = self.lightning_module
         layers = getattr(module, "layers", None) if module is not None else None
-        if isinstance(layers, nn.Sequential) and "forward" in vars(layers):
+        if isinstance(layers, nn.Module) and "forward" in vars(layers):
             del layers.forward
         self._pipe = None
         super().teardown()
