@@ -17,6 +17,15 @@ step with the Lightning optimizer). Its placement is DeepSpeed's (stage-major ra
 cross-entropy on ``(x, y)`` batches (the demo models'), and it needs ``DS_ACCELERATOR=cpu``
 (set here when unset) and gloo on CPU. Evaluation runs the whole model on every rank after the
 stages' weights are gathered.
+
+Its config sets ``gradient_clipping: 0.0``, so that it trains what every other run of the table
+trains: DeepSpeed's default is 1.0 (since its PR #8068), a clipping no other run does, which
+once vgg_mini's gradients grow past norm 1 changes its trajectory (docs/gropipe.md, "Measured").
+Lightning's ``gradient_clip_val`` and ``accumulate_grad_batches`` are refused: DeepSpeed's
+``clip_grad_norm_`` scales every stage by the norm of the first stage's gradients only (pipeline
+parameters are not model-parallel ones, so only model-parallel rank 0 counts them), not the
+whole model's norm that Lightning and GroPipe clip by, and its engine steps the optimizer inside
+every ``train_batch``.
 """
 
 from __future__ import annotations
@@ -242,17 +251,28 @@ class DeepSpeedPipeStrategy(GroPipeStrategy):
             partition_method=self.partition_method,
         )
         self._parts = [int(p) for p in pipe.parts]
-        micro = batch_size // self.micro_batches
-        config = {
-            "train_micro_batch_size_per_gpu": micro,
-            "gradient_accumulation_steps": self.micro_batches,
-            "train_batch_size": micro * self.micro_batches * self.groups,
-            "steps_per_print": 10**9,
-        }
+        config = engine_config(batch_size, self.micro_batches, self.groups)
         optimizer = self.optimizers[0]
         optimizer = getattr(optimizer, "_optimizer", optimizer)
         engine, _, _, _ = deepspeed.initialize(model=pipe, optimizer=optimizer, config=config)
         return engine
+
+    def setup(self, trainer: Any) -> None:
+        """Refuse the Lightning settings DeepSpeed's engine cannot follow (module docstring)."""
+        if trainer.gradient_clip_val:
+            raise ValueError(
+                "deepspeed_pipe does not clip like Lightning: DeepSpeed's PipelineEngine scales "
+                "every stage by the norm of the first stage's gradients only, not the whole "
+                "model's; compare without gradient_clip_val, or use gropipe or the torch peers, "
+                "which clip by the whole model's norm"
+            )
+        if trainer.accumulate_grad_batches != 1:
+            raise ValueError(
+                "deepspeed_pipe steps DeepSpeed's optimizer after every batch (its micro-batches "
+                "are its gradient accumulation); compare without accumulate_grad_batches, or use "
+                "gropipe or the torch peers, which accumulate across batches"
+            )
+        super().setup(trainer)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         """DeepSpeed builds its own stages (in the first ``training_step``)."""
@@ -311,11 +331,34 @@ class DeepSpeedPipeStrategy(GroPipeStrategy):
     def on_validation_start(self) -> None:
         self.consolidate()
 
+    def on_train_end(self) -> None:
+        """Give every rank every stage's weights, for the fork/spawn launchers' hand-back."""
+        super().on_train_end()
+        if self.returns_model_to_parent:
+            self.consolidate()
+
     def _evaluation_step(self, hook: str, context: Callable[[], Any], args: tuple[Any, ...]) -> Any:
         module = self.lightning_module
         assert module is not None
         with context():
             return getattr(module, hook)(*args)
+
+
+def engine_config(batch_size: int, micro_batches: int, groups: int) -> dict[str, Any]:
+    """DeepSpeed's config for batches of ``batch_size`` per replica in ``micro_batches`` parts.
+
+    Clipping is off (``gradient_clipping: 0.0``; DeepSpeed's default is 1.0): the other runs of
+    the table do not clip, and DeepSpeed's pipeline norm is not the whole model's (module
+    docstring).
+    """
+    micro = batch_size // micro_batches
+    return {
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": micro_batches,
+        "train_batch_size": micro * micro_batches * groups,
+        "gradient_clipping": 0.0,
+        "steps_per_print": 10**9,
+    }
 
 
 def torch_gpipe(**options: Any) -> TorchPipeliningStrategy:
