@@ -6,8 +6,10 @@ and the split that minimizes the slowest stage wins, because a synchronous pipel
 pace of its slowest stage. A greedy split (fill a stage until it exceeds the average) can miss
 the optimum; dynamic programming cannot:
 
-1. stage ``k`` holding layers ``i .. j-1`` takes ``t_k = Σ (f_l + b_l) + r·Σ f_l`` per
-   micro-batch, ``r`` being the recomputed share of micro-batches;
+1. stage ``k`` holding layers ``i .. j-1`` takes ``t_k = Σ (f_l + b_l) + r·Σ f_l + s·B_k`` per
+   micro-batch, ``r`` being the recomputed share of micro-batches, ``B_k`` the bytes it sends
+   (its output forward, its input's gradient back) and ``s`` the measured seconds per byte of
+   the links between stages (0 when not measured);
 2. its memory is ``c·Σ P_l`` for parameters (``c`` counts weights, gradients and optimizer
    state) plus activations: ``n_k·A`` without recomputation, ``n_k·In + A`` with it
    (``except_last``: ``(n_k−1)·In + 2A`` while ``n_k ≥ 2``), where ``A = Σ A_l``, ``In`` is the
@@ -104,8 +106,10 @@ class _CostModel:
         schedule: str,
         recompute: str,
         parameter_factor: float,
+        link_seconds_per_byte: float = 0.0,
     ) -> None:
         layers: Sequence[LayerCost] = profile.layers
+        self.link = link_seconds_per_byte
         self.profile, self.stages, self.micro_batches = profile, stages, micro_batches
         self.schedule, self.recompute = schedule, recompute
         self.parameter_factor = parameter_factor
@@ -115,7 +119,15 @@ class _CostModel:
         self.parameters = _prefix([float(c.parameter_bytes) for c in layers])
 
     def seconds(self, stage: int, start: int, end: int) -> float:
-        return self.time[end] - self.time[start]
+        compute = self.time[end] - self.time[start]
+        if not self.link:
+            return compute
+        # the stage sends its output forward and its input's gradient back (the same bytes)
+        layers = self.profile.layers
+        sent = (layers[start - 1].output_bytes if start > 0 else 0) + (
+            layers[end - 1].output_bytes if end < len(layers) else 0
+        )
+        return compute + self.link * sent
 
     def parameter_bytes(self, stage: int, start: int, end: int) -> float:
         return self.parameters[end] - self.parameters[start]
@@ -187,10 +199,14 @@ def plan_for(
     schedule: str = "1f1b",
     recompute: str = "never",
     parameter_factor: float = 3.0,
+    link_seconds_per_byte: float = 0.0,
 ) -> PartitionPlan:
     """The projected costs of a given split (an explicit one, or a peer's)."""
     stages = len(boundaries) + 1
-    model = _CostModel(profile, stages, micro_batches, schedule, recompute, parameter_factor)
+    model = _CostModel(
+        profile, stages, micro_batches, schedule, recompute, parameter_factor,
+        link_seconds_per_byte,
+    )  # fmt: skip
     edges = [0, *boundaries, len(profile)]
     seconds = tuple(model.seconds(k, edges[k], edges[k + 1]) for k in range(stages))
     memory = tuple(model.memory(k, edges[k], edges[k + 1]) for k in range(stages))
@@ -208,6 +224,7 @@ def partition(
     parameter_factor: float = 3.0,
     allowed_boundaries: Sequence[int] | None = None,
     tolerance: float = 0.05,
+    link_seconds_per_byte: float = 0.0,
 ) -> PartitionPlan:
     """The split of ``profile``'s layers into ``stages`` stages with the fastest slowest stage.
 
@@ -224,6 +241,10 @@ def partition(
         tolerance: splits whose slowest stage is within this fraction of the fastest count as
             ties; the tie whose largest stage holds the fewest parameter bytes wins (0: the
             fastest projection alone decides).
+        link_seconds_per_byte: seconds a stage spends per byte it sends to a neighbour
+            (:func:`~lightning_parallel.pipeline.link.measure_link_seconds_per_byte`); each
+            stage's time per micro-batch then adds its sent bytes (its output forward, its
+            input's gradient back) times this. 0: compute alone.
 
     Raises:
         PartitionError: more stages than layers, or no split fits ``memory_limit_bytes`` (the
@@ -238,7 +259,10 @@ def partition(
             f"cannot split {layer_count} layers into {stages} stages; use 1..{layer_count} stages"
         )
     allowed = set(range(1, layer_count)) if allowed_boundaries is None else set(allowed_boundaries)
-    model = _CostModel(profile, stages, micro_batches, schedule, recompute, parameter_factor)
+    model = _CostModel(
+        profile, stages, micro_batches, schedule, recompute, parameter_factor,
+        link_seconds_per_byte,
+    )  # fmt: skip
 
     def fits(stage: int, start: int, end: int) -> bool:
         return memory_limit_bytes is None or model.memory(stage, start, end) <= memory_limit_bytes
@@ -262,4 +286,7 @@ def partition(
         balanced = _minimax(layer_count, stages, model.parameter_bytes, near, allowed)
         if balanced is not None:  # the fastest split itself is always a candidate
             boundaries = balanced[1]
-    return plan_for(profile, boundaries, micro_batches, schedule, recompute, parameter_factor)
+    return plan_for(
+        profile, boundaries, micro_batches, schedule, recompute, parameter_factor,
+        link_seconds_per_byte,
+    )  # fmt: skip
