@@ -86,3 +86,30 @@ def test_torchgpipe_peer_replicas_match_single_device() -> None:
     # each rank pipelines its half of the batches, for 2 epochs
     assert run.callback_metrics["torchgpipe/pipelined_batches"].item() == len(loader(BATCH))
     assert "forward" not in vars(model.layers)  # the model is handed back unchanged
+
+
+class LateNormNet(Net):
+    """A BatchNorm in the second stage, where torch infers shapes on uninitialised tensors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = torch.nn.Sequential(
+            torch.nn.Linear(6, 12), torch.nn.Tanh(), torch.nn.Linear(12, 12),
+            torch.nn.BatchNorm1d(12), torch.nn.Tanh(), torch.nn.Linear(12, 3),
+        )  # fmt: skip
+
+
+def test_torch_peers_keep_the_second_stages_batch_norm_statistics_finite() -> None:
+    """torch's first-step shape inference ran the second stage on uninitialised memory: its
+    running statistics read NaN for good and evaluation scored chance."""
+    reference = LateNormNet()
+    trainer("auto", 1, max_epochs=1).fit(reference, loader(shuffled=True))
+    model = LateNormNet()
+    strategy = build_strategy("torch_gpipe:stages=2,micro_batches=4,start_method=fork")
+    trainer(strategy, 2, max_epochs=1).fit(model, loader())
+    norm = model.layers[3]
+    assert torch.isfinite(norm.running_mean).all() and torch.isfinite(norm.running_var).all()
+    # one update per micro-batch (4 per step), the first step's left out, no more
+    steps = int(reference.layers[3].num_batches_tracked)
+    assert int(norm.num_batches_tracked) == 4 * steps - 4

@@ -117,9 +117,15 @@ class TorchPipeliningStrategy(GroPipeStrategy):
             stats.losses[index] = value.detach()
             return value
 
+        buffers: list[tuple[Tensor, Tensor]] = []
         if self._torch_schedule is None or self._torch_count != count:
             self._torch_schedule = self._build_schedule(pipeline, count, loss)
             self._torch_count = count
+            # torch infers the shapes a later stage receives by running it on uninitialised
+            # tensors in the first step; a BatchNorm's running statistics would keep the NaNs
+            # of that run for good: they are put back as they were after the step
+            module = pipeline.stages[self.stage_index]
+            buffers = [(b, b.detach().clone()) for b in module.buffers()]
         else:
             self._torch_schedule._loss_fn = loss
         first, last = self.stage_index == 0, self.stage_index == self.stages - 1
@@ -138,6 +144,9 @@ class TorchPipeliningStrategy(GroPipeStrategy):
             self._torch_schedule.step(*arguments, target=target, losses=[])
         else:
             self._torch_schedule.step(target=target, losses=[])
+        with torch.no_grad():
+            for buffer, saved in buffers:
+                buffer.copy_(saved)
         stats.step_seconds = time.perf_counter() - start
         return stats
 
