@@ -87,3 +87,17 @@ def test_model_matrix_example_fits_a_strategy_on_a_model(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "| `recommender` | `hylo` | ok (train_loss" in result.stdout
     assert "| `recommender` | `spectrain` | ok (train_loss" in result.stdout
+
+
+def test_bench_matrix_cells_say_fit_refusal_or_failure():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "bench_matrix", ROOT / "examples" / "bench_matrix.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.cell({"ok": True, "val_acc": 0.4567}) == "fits (val acc 0.46)"
+    refused = {"ok": False, "refused": True, "error": "ValueError: feeds one input | two\nmore"}
+    assert module.cell(refused) == "refused: ValueError: feeds one input / two"
+    assert module.cell({"ok": False, "error": "rank 0: boom"}) == "FAILED: rank 0: boom"

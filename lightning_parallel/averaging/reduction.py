@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_parallel.comm.devices import copy_back, to_group
 from lightning_parallel.comm.groups import new_group
 from lightning_parallel.comm.tree import TreeAllReduce
 
@@ -36,13 +37,17 @@ class Reduction(Protocol):
 
 
 class _FlatWork:
-    def __init__(self, works: list[dist.Work]) -> None:
+    def __init__(self, works: list[dist.Work], placed: list[tuple[Tensor, Tensor]]) -> None:
         self._works = works
+        self._placed = placed  # (buffer, the copy on the group's device) where they differ
 
     def wait(self) -> None:
         for work in self._works:
             work.wait()
-        self._works = []
+        with torch.no_grad():
+            for buffer, placed in self._placed:
+                copy_back(buffer, placed)
+        self._works, self._placed = [], []
 
 
 class FlatAllReduce:
@@ -70,12 +75,19 @@ class FlatAllReduce:
     def all_reduce(self, tensors: Sequence[Tensor], async_op: bool = False) -> _FlatWork:
         """Replace each tensor by its sum over all ranks; with ``async_op`` return at once."""
         works = []
+        placements = []
         with torch.no_grad():
             for tensor in tensors:
-                work = dist.all_reduce(tensor, group=self.group, async_op=async_op)
+                placed = to_group(tensor, self.group)  # comm.devices: the group's device
+                work = dist.all_reduce(placed, group=self.group, async_op=async_op)
                 if work is not None:
                     works.append(work)
-        return _FlatWork(works)
+                if placed is not tensor:
+                    placements.append((tensor, placed))
+        result = _FlatWork(works, placements)
+        if not async_op:
+            result.wait()
+        return result
 
     def bytes_sent(self, nbytes: float) -> float:
         """Bytes this rank sends for a payload of ``nbytes`` (ring allreduce)."""

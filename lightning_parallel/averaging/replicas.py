@@ -27,6 +27,7 @@ from lightning_parallel.averaging.policies import (
 )
 from lightning_parallel.averaging.reduction import Reduction, ReductionWork
 from lightning_parallel.averaging.schedule import AveragingSchedule
+from lightning_parallel.comm.devices import to_group
 from lightning_parallel.comm.ledger import CommLedger, process_ledger
 
 __all__: list[str] = []
@@ -201,7 +202,7 @@ class ReplicaAveraging:
         if not tensors:
             return
         layout = FlatLayout(tensors)
-        flat = layout.pack(tensors)
+        flat = [to_group(buffer) for buffer in layout.pack(tensors)]  # on the group's device
         for buffer in flat:
             dist.broadcast(buffer, src=src)
         with torch.no_grad():

@@ -85,7 +85,7 @@ class HyloCompression(Callback):
         telemetry_every_n_steps: how often the gauges (and residual norms) are refreshed.
         seed: seed of the stochastic peer codecs (rank ``r`` uses ``seed + r``).
         overlap: run the exchange on a background thread that overlaps with the rest of the
-            backward pass (``None``: on CPU yes, on CUDA no).
+            backward pass (``None``: on CPU yes, on CUDA no; ``True`` on CUDA raises).
         reconstruction: what 2-bit codes decode to: ``"mean"`` (the mean magnitude of the
             values sent, default) or ``"threshold"`` (``tau``, Hylo's literal ``{+tau, -tau, 0}``).
         block_size: values per 2-bit block, each with its own threshold and scale (default

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_parallel.comm.devices import copy_back, to_group
 from lightning_parallel.comm.groups import new_group
 
 __all__: list[str] = []
@@ -77,11 +78,21 @@ class HostTopology:
 
 
 class _TreeWork:
-    """Handle of a hierarchical reduction running on a helper thread; :meth:`wait` joins it."""
+    """Handle of a hierarchical reduction running on a helper thread; :meth:`wait` joins it.
 
-    def __init__(self, thread: threading.Thread | None, errors: list[BaseException]) -> None:
+    On CUDA the caller's stream then waits for the event the helper recorded after its last
+    collective (``done``), so that the sums are read after they are written.
+    """
+
+    def __init__(
+        self,
+        thread: threading.Thread | None,
+        errors: list[BaseException],
+        done: list[torch.cuda.Event] | None = None,
+    ) -> None:
         self._thread = thread
         self._errors = errors
+        self._done = done if done is not None else []
 
     def wait(self) -> None:
         if self._thread is not None:
@@ -89,6 +100,9 @@ class _TreeWork:
             self._thread = None
         if self._errors:
             raise RuntimeError("tree allreduce failed on its helper thread") from self._errors[0]
+        for event in self._done:
+            torch.cuda.current_stream().wait_event(event)
+        self._done = []
 
 
 class TreeAllReduce:
@@ -166,32 +180,55 @@ class TreeAllReduce:
 
         The asynchronous form runs the three steps on a helper thread over process groups that
         nothing else uses, so the caller may keep computing (and use the default group) until
-        it calls ``wait()`` on the returned handle.
+        it calls ``wait()`` on the returned handle. CUDA tensors are ordered by events: the
+        helper's stream waits for the caller's work on them so far, and ``wait()`` makes the
+        caller's stream wait for the helper's collectives.
         """
         if not async_op:
             self._reduce(list(tensors))
             return _TreeWork(None, [])
         errors: list[BaseException] = []
+        done: list[torch.cuda.Event] = []
+        ready = None
+        if tensors and tensors[0].is_cuda:
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(tensors[0].device))
 
         def run() -> None:
             try:
-                self._reduce(list(tensors))
+                self._reduce(list(tensors), ready, done)
             except BaseException as error:  # surfaced by wait() on the caller's thread
                 errors.append(error)
 
         thread = threading.Thread(target=run, name="tree-allreduce", daemon=True)
         thread.start()
-        return _TreeWork(thread, errors)
+        return _TreeWork(thread, errors, done)
 
-    def _reduce(self, tensors: list[Tensor]) -> None:
+    def _reduce(
+        self,
+        tensors: list[Tensor],
+        ready: torch.cuda.Event | None = None,
+        done: list[torch.cuda.Event] | None = None,
+    ) -> None:
+        if tensors and tensors[0].is_cuda:  # the current device and stream are per thread
+            torch.cuda.set_device(tensors[0].device)
+            if ready is not None:
+                torch.cuda.current_stream().wait_event(ready)
         with torch.no_grad():
             for tensor in tensors:
+                # comm.devices: every group of the tree has the default group's backend
+                placed = to_group(tensor, self._host_group or self._leader_group)
                 if self._host_group is not None:
-                    dist.all_reduce(tensor, group=self._host_group)
+                    dist.all_reduce(placed, group=self._host_group)
                 if self._leader_group is not None:
-                    dist.all_reduce(tensor, group=self._leader_group)
+                    dist.all_reduce(placed, group=self._leader_group)
                 if self._host_group is not None and self.topology.num_hosts > 1:
-                    dist.broadcast(tensor, src=self._leader, group=self._host_group)
+                    dist.broadcast(placed, src=self._leader, group=self._host_group)
+                copy_back(tensor, placed)
+        if done is not None and tensors and tensors[0].is_cuda:
+            finished = torch.cuda.Event()
+            finished.record()  # on this thread's stream, after the collectives it waited for
+            done.append(finished)
 
     def bytes_sent(self, nbytes: float) -> float:
         """Bytes this rank sends for ``nbytes`` of payload (ring allreduce, 1-to-all broadcast)."""

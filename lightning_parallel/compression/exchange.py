@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_parallel.comm.devices import empty_like, to_group
 from lightning_parallel.compression.codec import Encoded
 from lightning_parallel.compression.error_feedback import ErrorFeedback
 from lightning_parallel.compression.kernel_topk import KernelTopK
@@ -277,7 +278,7 @@ class HyloExchange:
             compensated.append(p)
             norms.append(codec.importance(p.view(layer.plan.shape)))
             clock.lap(layer.plan.name, "encode")
-        summed = torch.cat(norms).to(self.importance_dtype)
+        summed = to_group(torch.cat(norms).to(self.importance_dtype), self.group)
         works.append(dist.all_reduce(summed, async_op=True, group=self.group))
         for layer, norm in zip(layers, norms):
             clock.reports[layer.plan.name].bytes_sent += ring_allreduce_bytes(
@@ -344,7 +345,7 @@ class HyloExchange:
             return None
         # Divide before summing, as torch's allreduce hook does, so that no compression equals
         # DDP bit for bit.
-        fused = torch.cat(pieces).div_(world)
+        fused = to_group(torch.cat(pieces).div_(world), self.group)
         works.append(dist.all_reduce(fused, async_op=True, group=self.group))
         for layer in dense:
             clock.reports[layer.plan.name].bytes_sent += ring_allreduce_bytes(
@@ -394,8 +395,8 @@ class HyloExchange:
             rows.append(torch.cat([scale_bits, words], dim=1))
             chunks.append(chunk)
             clock.lap(name, "encode")
-        send = torch.cat(rows, dim=1).contiguous()
-        received = torch.empty_like(send)
+        send = to_group(torch.cat(rows, dim=1).contiguous(), self.group)
+        received = empty_like(send)
         works.append(dist.all_to_all_single(received, send, async_op=True, group=self.group))
         for layer, row in zip(layers, rows):
             clock.reports[layer.plan.name].bytes_sent += (world - 1) * row.shape[1] * 4
@@ -430,15 +431,11 @@ class HyloExchange:
             offset += per_chunk + words
             mean = self._workspace(key, signs[0].to(torch.float32))
             term = self._workspace(f"{key}/term", mean)
-            if codec.block_size is None:
-                scales = block_scales[:, 0].tolist()  # W floats
-                mean.copy_(signs[0]).mul_(scales[0])
-                for source in range(1, world):  # a loop over ranks; each step whole-tensor
-                    mean.add_(term.copy_(signs[source]), alpha=scales[source])
-            else:
-                codec.dequantize(signs[0], block_scales[0], mean)
-                for source in range(1, world):  # a loop over ranks; each step whole-tensor
-                    mean.add_(codec.dequantize(signs[source], block_scales[source], term))
+            # the scales stay on the device (no host round trip): sign * s is exact, so the
+            # sum is the same with or without blocks
+            codec.dequantize(signs[0], block_scales[0], mean)
+            for source in range(1, world):  # a loop over ranks; each step whole-tensor
+                mean.add_(codec.dequantize(signs[source], block_scales[source], term))
             mean.div_(world)
             s = self.server_memory.compensate_(key, mean)  # second error feedback
             valid = max(0, min(chunk, layer.gradient.numel() - rank * chunk))
@@ -456,8 +453,8 @@ class HyloExchange:
             pieces.append(torch.cat([scale_bits, pack_2bit(server_codes)]))
             clock.reports[layer.plan.name].bytes_sent += (world - 1) * (per_chunk + words) * 4
             clock.lap(layer.plan.name, "decode")
-        send = torch.cat(pieces)
-        gathered = [torch.empty_like(send) for _ in range(world)]
+        send = to_group(torch.cat(pieces), self.group)
+        gathered = [empty_like(send) for _ in range(world)]
         works.append(dist.all_gather(gathered, send, async_op=True, group=self.group))
         return {**two_bit_round, "gathered": gathered}
 
@@ -486,11 +483,7 @@ class HyloExchange:
                 start, stop = owner * chunk, min(numel, (owner + 1) * chunk)
                 if stop > start:
                     target = layer.gradient[start:stop]
-                    owner_signs = signs[owner, : stop - start]
-                    if codec.block_size is None:
-                        target.copy_(owner_signs).mul_(float(block_scales[owner, 0]))
-                    else:
-                        codec.dequantize(owner_signs, block_scales[owner], target)
+                    codec.dequantize(signs[owner, : stop - start], block_scales[owner], target)
             clock.lap(layer.plan.name, "decode")
 
     # -- gather route (peer codecs, 2-bit allgather) ----------------------------------------
@@ -513,7 +506,8 @@ class HyloExchange:
             clock.reports[layer.plan.name].bytes_sent += (world - 1) * encoded.nbytes()
             clock.lap(layer.plan.name, "encode")
         send, layout = _to_bytes(payloads)
-        gathered = [torch.empty_like(send) for _ in range(world)]
+        send = to_group(send, self.group)
+        gathered = [empty_like(send) for _ in range(world)]
         works.append(dist.all_gather(gathered, send, async_op=True, group=self.group))
         return {"layers": layers, "encodings": encodings, "layout": layout, "gathered": gathered}
 

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_parallel.comm.devices import to_group
 from lightning_parallel.compression.cost_model import CostModel
 from lightning_parallel.compression.error_feedback import ErrorFeedback
 from lightning_parallel.compression.exchange import (
@@ -67,7 +68,7 @@ class HyloHook:
         overlap: run the exchange on a background thread so that it overlaps with the rest of
             the backward pass (buckets still run one at a time, in order, so the collectives
             match across ranks). ``None``: on for CPU tensors, off for CUDA ones (NCCL
-            already runs on its own stream).
+            already runs on its own stream); ``True`` with CUDA tensors raises.
 
     Example::
 
@@ -152,6 +153,11 @@ class HyloHook:
         params = list(bucket.parameters())
         is_last = bucket.is_last()
         overlap = self.overlap if self.overlap is not None else buffer.device.type == "cpu"
+        if overlap and buffer.device.type != "cpu":
+            raise ValueError(
+                "overlap=True runs the exchange on a host thread, for CPU gradients; CUDA "
+                "gradients already overlap (NCCL runs on its own stream): use overlap=None"
+            )
         if not overlap:
             return self._average(buffer, params, is_last, blocking=False)
         future: torch.futures.Future[Tensor] = torch.futures.Future()
@@ -239,7 +245,7 @@ class HyloHook:
         for layer in layers:  # residuals of layers the cost model turned back to dense
             self.exchange.flush(layer, world, rank)
         self._report_dense(layers, world)
-        buffer.div_(world)
+        buffer = to_group(buffer.div_(world), self.process_group)  # DDP's: no copy
         if blocking:
             dist.all_reduce(buffer, group=self.process_group)
             done: torch.futures.Future[Tensor] = torch.futures.Future()
@@ -277,7 +283,8 @@ class HyloHook:
         """Agree on the measurements (max over ranks) and keep unprofitable layers dense."""
         assert self.cost_model is not None
         names = sorted(name for name, plan in self.policy_plans.items() if plan.compressed)
-        agreed = self.cost_model.measurements(names)
+        # host values built on the CPU; on the group's device for the (once per run) exchange
+        agreed = to_group(self.cost_model.measurements(names), self.process_group)
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.process_group)
         self._apply(self.cost_model.decide(names, agreed))
 

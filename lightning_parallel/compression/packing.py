@@ -103,7 +103,8 @@ def unpack_signed_2bit(words: Tensor, numel: int, out: Tensor | None = None) -> 
             f"than the {numel} asked for"
         )
     stream = words.contiguous().view(torch.uint8)  # (..., bytes)
-    to_top = torch.tensor([6, 4, 2, 0], dtype=torch.uint8, device=words.device).unsqueeze(-1)
+    # [6, 4, 2, 0] made on the words' device (a list would be copied from the host)
+    to_top = torch.arange(6, -1, -2, dtype=torch.uint8, device=words.device).unsqueeze(-1)
     shape = (*stream.shape[:-1], 4, stream.shape[-1])
     target = None if out is None else out.view(torch.uint8).view(shape)
     planes = torch.bitwise_left_shift(stream.unsqueeze(-2), to_top, out=target).view(torch.int8)

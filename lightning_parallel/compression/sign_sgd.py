@@ -29,7 +29,11 @@ class SignSGD(Codec):
     def encode(self, tensor: Tensor) -> Encoded:
         """Payload ``[words int32, scale (1,) float32]``."""
         flat = tensor.reshape(-1)
-        scale = flat.abs().mean(dtype=torch.float32) if flat.numel() else torch.zeros(())
+        scale = (
+            flat.abs().mean(dtype=torch.float32)
+            if flat.numel()
+            else torch.zeros((), device=flat.device)
+        )
         return Encoded(
             [pack_bits(flat < 0, 1), scale.reshape(1)],
             {"shape": tuple(tensor.shape), "numel": flat.numel(), "dtype": tensor.dtype},

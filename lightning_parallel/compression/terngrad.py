@@ -45,7 +45,7 @@ class TernGrad(Codec):
         if self.clip_sigmas is not None and flat.numel() > 1:
             bound = self.clip_sigmas * flat.std()
             flat = torch.maximum(torch.minimum(flat, bound), -bound)
-        scale = flat.abs().max() if flat.numel() else torch.zeros(())
+        scale = flat.abs().max() if flat.numel() else torch.zeros((), device=flat.device)
         probability = flat.abs() / scale.clamp_min(torch.finfo(torch.float32).tiny)
         sent = self.random.uniform_like(probability) < probability
         signs = sent.view(torch.int8) * torch.sign(flat).to(torch.int8)

@@ -192,19 +192,22 @@ class TwoBitQuantizer(Codec):
             self._quantize_blocks_(compensated, signs[:numel], scales, codes)
             return codes.view(torch.uint8), scales
         tau = self.threshold(compensated) if tau is None else tau
-        value = float(tau)
-        if value == 0.0:  # all-zero gradient: nothing to send, nothing to keep
-            return codes.zero_().view(torch.uint8), tau
-        signs = torch.div(compensated, value, rounding_mode="trunc", out=workspace)
+        # Every scalar stays a 0-dim tensor on the input's device: no host round trip. An
+        # all-zero gradient (tau = 0) divides by infinity: every code 0, the residual unchanged.
+        tau = tau.to(device=compensated.device, dtype=torch.float32)
+        divisor = torch.where(tau > 0, tau, torch.full_like(tau, math.inf))
+        signs = torch.div(compensated, divisor, rounding_mode="trunc", out=workspace)
         signs.clamp_(-1.0, 1.0)  # +1 where p >= tau, -1 where p <= -tau, else 0
         scale = tau
         if self.reconstruction == "mean":
-            # The mean magnitude of the values sent: sum(p * sign) / #sent (two passes).
-            sent = float(torch.count_nonzero(signs))
-            magnitude = float(torch.dot(compensated, signs)) / sent if sent else 0.0
-            scale = torch.tensor(magnitude, dtype=torch.float32, device=compensated.device)
-            value = float(scale)
-        compensated.sub_(signs, alpha=value)
+            # The mean magnitude of the values sent: sum(p * sign) / #sent (two passes), the
+            # quotient in float64 then rounded to float32.
+            sent = torch.count_nonzero(signs).clamp_(min=1).to(torch.float64)
+            dot = torch.dot(compensated, signs).to(torch.float64)
+            scale = (dot / sent).to(torch.float32)
+        # p - sign * s, s in p's dtype (as a Python scalar was): sign * s is exact, so this is
+        # the one rounding of the subtraction
+        compensated.addcmul_(signs, scale.to(compensated.dtype), value=-1.0)
         return codes.copy_(signs).view(torch.uint8), scale
 
     @staticmethod

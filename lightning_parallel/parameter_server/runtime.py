@@ -4,7 +4,9 @@
 a collective call) from the rank's trained parameters and the user's optimizer:
 
 1. a gloo process group for parameter-server traffic only, so that its point-to-point messages
-   (from server threads) never interleave with Lightning's collectives on the default group;
+   (from server threads) never interleave with Lightning's collectives on the default group,
+   and a second one for checkpoint state; the shards and every message are on the CPU, whatever
+   the workers' device (the device rule of :mod:`lightning_parallel.comm.devices`);
 2. the flat layout of the parameters and the host of each shard: shard k on rank
    ``(server_rank + k) % world_size``;
 3. on a hosting rank, the :class:`ShardServer` (optimizer: the user's class, hyperparameters and
@@ -29,7 +31,7 @@ from torch import Tensor
 from torch.distributed import distributed_c10d as c10d
 from torch.optim import Optimizer
 
-from lightning_parallel.comm.groups import new_group
+from lightning_parallel.comm.devices import side_group
 from lightning_parallel.optimizers import rebuild_optimizer
 from lightning_parallel.parameter_server.budget import EpochBudget
 from lightning_parallel.parameter_server.client import ParameterClient
@@ -182,7 +184,9 @@ class ParameterServerRuntime:
         self.parameters = parameters
         self.layout = ShardLayout.balanced([p.shape for p in parameters], shards)
         self.hosts = [(server_rank + shard) % self.world_size for shard in range(shards)]
-        self.group = new_group(backend="gloo")  # the run's timeout (comm.groups)
+        self.group = side_group()  # gloo, with the run's timeout (comm.groups)
+        # checkpoint state (CPU tensors) travels apart from the server threads' messages
+        self.state_group = side_group()
         workers = list(range(self.world_size))
         self.store = heartbeat_store(str(self.group.group_name))
         # the run goes on without a lost worker unless it hosts a shard or is rank 0 (the
@@ -344,17 +348,19 @@ class ParameterServerRuntime:
                     run_remaining = server.budget.run_remaining
             else:
                 state, counters = {}, torch.zeros(0, dtype=torch.int64)
-            if host_rank != 0:  # move it to rank 0 with tensors only
+            if host_rank != 0:  # move it to rank 0 with tensors only, on the gloo state group
+                group = self.state_group
                 if self.rank == host_rank:
-                    send_state(state, 0)
-                    c10d.send(torch.tensor([counters.numel()], dtype=torch.int64), 0)
-                    c10d.send(counters, 0)
+                    send_state(state, 0, group=group)
+                    size = torch.tensor([counters.numel()], dtype=torch.int64)
+                    c10d.send(size, 0, group=group)
+                    c10d.send(counters, 0, group=group)
                 elif self.rank == 0:
-                    state = recv_state(host_rank)
+                    state = recv_state(host_rank, group=group)
                     size = torch.zeros(1, dtype=torch.int64)
-                    c10d.recv(size, host_rank)
+                    c10d.recv(size, host_rank, group=group)
                     counters = torch.zeros(int(size.item()), dtype=torch.int64)
-                    c10d.recv(counters, host_rank)
+                    c10d.recv(counters, host_rank, group=group)
             if self.rank == 0:
                 for index, values in state.items():
                     optimizer_state[first + int(index)] = values
@@ -459,3 +465,4 @@ class ParameterServerRuntime:
             self._heartbeat.stop(wait=not failed)
         if not failed:
             dist.destroy_process_group(self.group)
+            dist.destroy_process_group(self.state_group)

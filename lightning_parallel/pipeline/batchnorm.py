@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from lightning_parallel.comm.devices import to_group
 from lightning_parallel.pipeline.ownership import adopt_tensors
 from lightning_parallel.pipeline.recompute import is_recomputing
 
@@ -172,7 +173,8 @@ class BatchNormCommit:
         self.flat: torch.Tensor | None = None
         self.work: dist.Work | None = None
         if reduce and self.layers:
-            self.flat = torch.cat(self.pieces)
+            # on the layers' device, the group's (comm.devices): no copy over NCCL
+            self.flat = to_group(torch.cat(self.pieces), group)
             self.work = dist.all_reduce(self.flat, group=group, async_op=True)
 
     def finish(self) -> None:

@@ -31,6 +31,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_parallel.comm.devices import copy_back, empty_for, to_group
+
 __all__: list[str] = []
 
 
@@ -39,15 +41,17 @@ def _send_pieces(pieces: Any, root: int, group: dist.ProcessGroup | None) -> Non
     torch.save(pieces, buffer)
     payload = torch.frombuffer(bytearray(buffer.getbuffer()), dtype=torch.uint8)
     del buffer
-    dist.send(torch.tensor([payload.numel()], dtype=torch.int64), dst=root, group=group)
-    dist.send(payload, dst=root, group=group)
+    size = torch.tensor([payload.numel()], dtype=torch.int64)
+    dist.send(to_group(size, group, point_to_point=True), dst=root, group=group)
+    dist.send(to_group(payload, group, point_to_point=True), dst=root, group=group)
 
 
 def _receive_pieces(owner: int, spill: Path, group: dist.ProcessGroup | None) -> Any:
-    size = torch.zeros(1, dtype=torch.int64)
+    size = empty_for(group, (1,), torch.int64)
     dist.recv(size, src=owner, group=group)
-    payload = torch.empty(int(size.item()), dtype=torch.uint8)
+    payload = empty_for(group, (int(size.item()),), torch.uint8)
     dist.recv(payload, src=owner, group=group)
+    payload = payload.cpu()
     path = spill / f"from_rank{owner}.pt"
     with path.open("wb") as stream:
         stream.write(payload.numpy().data)
@@ -71,7 +75,8 @@ def gather_to_root(
         root: the rank that receives.
         spill: on the root, the folder received stages are memory-mapped from (must outlive
             the use of the result).
-        group: a gloo group with every owner and the root (CPU bytes travel).
+        group: a group with every owner and the root; a gloo side group preferably
+            (:func:`lightning_parallel.comm.devices.side_group`: CPU bytes travel, no copy).
 
     Returns:
         On the root, the pieces of every stage (received ones memory-mapped); elsewhere
@@ -129,7 +134,9 @@ def broadcast_stage_state(
                 flat = torch.cat([t.detach().reshape(-1) for t in tensors])
             else:
                 flat = torch.empty(total, dtype=dtype, device=device)
-            dist.broadcast(flat, src=owner, group=group)
+            placed = to_group(flat, group)
+            dist.broadcast(placed, src=owner, group=group)
+            flat = copy_back(flat, placed)
             if stage == own_stage:
                 continue
             offset = 0

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from lightning_parallel.comm.devices import to_group
+
 __all__: list[str] = []
 
 
@@ -84,7 +86,7 @@ class PartitionGradientSync:
         if not grads:
             self._bucket = None
             return
-        bucket = torch.cat([g.reshape(-1) for g in grads])
+        bucket = to_group(torch.cat([g.reshape(-1) for g in grads]), self.group)
         self._bucket = bucket
         self._launched_at = time.perf_counter()
         self._completed_at = []

@@ -24,6 +24,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from lightning_parallel.comm.devices import empty_for, to_group
+
 __all__: list[str] = []
 
 PROBE_BYTES = 4 * 2**20
@@ -51,8 +53,12 @@ def measure_link_seconds_per_byte(
             stage = list(ranks).index(rank)
             previous = ranks[stage - 1] if stage > 0 else None
             next_rank = ranks[stage + 1] if stage + 1 < len(ranks) else None
-    outgoing = torch.ones(size // 4, dtype=torch.float32, device=device)
-    incoming = torch.empty_like(outgoing)
+    # on the default group's device (comm.devices): the stages' device over NCCL, the host
+    # over gloo, as the stages' own transfers
+    outgoing = to_group(
+        torch.ones(size // 4, dtype=torch.float32, device=device), point_to_point=True
+    )
+    incoming = empty_for(None, outgoing.shape, outgoing.dtype)
     dist.barrier()
     start = time.perf_counter()
     for _ in range(repeats):

@@ -119,12 +119,20 @@ class SavedTensorMeter:
         return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
 
+def _now() -> float:
+    """The clock, once the GPU's queued work is done (CUDA runs asynchronously: without the
+    synchronization a layer would be timed by its kernel launches)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
 def _fastest_seconds(run: Callable[[], object], repeats: int) -> float:
     samples = []
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = _now()
         run()
-        samples.append(time.perf_counter() - start)
+        samples.append(_now() - start)
     return min(samples)
 
 
@@ -135,10 +143,10 @@ def _shared_flush_seconds(layers: Sequence[Any], micro_batches: int, repeats: in
     for _ in range(repeats):
         for layer, pair in zip(layers, kept):
             layer.pending[:] = pair * micro_batches
-        start = time.perf_counter()
+        start = _now()
         for layer in layers:
             layer.flush()
-        samples.append(time.perf_counter() - start)
+        samples.append(_now() - start)
     return min(samples) / micro_batches
 
 
@@ -190,10 +198,10 @@ def profile_layers(
                     with deferring_weight_gradients(bool(deferred)):
                         fresh = forward()
                     floats = [t for t in tensors_of(fresh) if t.requires_grad]
-                    start = time.perf_counter()
+                    start = _now()
                     if floats:
                         torch.autograd.backward(floats, [torch.ones_like(t) for t in floats])
-                    backward_samples.append(time.perf_counter() - start)
+                    backward_samples.append(_now() - start)
                 backward_seconds = min(backward_samples)
                 if deferred:
                     backward_seconds += _shared_flush_seconds(deferred, micro_batches, repeats)

@@ -4,7 +4,9 @@ Only the last stage computes the loss and whatever the user logs next to it, but
 framework wants both on every rank (every rank returns a loss; checkpoint and early-stopping
 callbacks look the monitored value up on every rank). Stage timings and gradient-allreduce
 timings are per rank, but the bubble and the hidden share of communication are properties of
-the whole pipeline. One float64 ``all_reduce(SUM)`` over the pipeline group carries it all::
+the whole pipeline. One float64 ``all_reduce(SUM)`` over the pipeline's bookkeeping group (a
+gloo group over the pipeline's ranks: these are host values, see
+:mod:`lightning_parallel.comm.devices`) carries it all::
 
     [loss, schema fingerprint, value count,
      busy_0..busy_{p-1}, step_0..step_{p-1}, sync_0..sync_{p-1}, exposed_0..exposed_{p-1},
@@ -31,6 +33,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from lightning_parallel.comm.devices import to_group
 
 __all__: list[str] = []
 
@@ -181,7 +185,8 @@ class StepSummary:
     Args:
         stages: ``p``.
         stage: this rank's stage.
-        group: the pipeline process group.
+        group: a group over the pipeline's ranks, gloo preferably (any group works: the vector
+            goes to the group's device).
         capacity: logged values carried in the tensor; more travel with the schema object.
     """
 
@@ -229,11 +234,14 @@ class StepSummary:
         for offset, seconds in enumerate(timings):
             vector[3 + offset * p + k] = seconds
         if p > 1:
-            dist.all_reduce(vector, group=self.group)
-        fingerprint_seen = int(vector[1])
-        count = int(vector[2])
+            placed = to_group(vector, self.group)
+            dist.all_reduce(placed, group=self.group)
+            vector = placed.cpu()
+        summed = vector.tolist()
+        fingerprint_seen = int(summed[1])
+        count = int(summed[2])
         start = 3 + _TIMINGS * p
-        values = vector[start : start + min(count, self.capacity)].tolist()
+        values = summed[start : start + min(count, self.capacity)]
         if fingerprint_seen != self._fingerprint or count > self.capacity:
             payload: list[Any] = [(schema, [v.value for v in logged]) if self.is_last else None]
             if p > 1:
@@ -249,8 +257,8 @@ class StepSummary:
         ]
 
         def slots(offset: int) -> list[float]:
-            return vector[3 + offset * p : 3 + (offset + 1) * p].tolist()
+            return summed[3 + offset * p : 3 + (offset + 1) * p]
 
         return SummaryResult(
-            float(vector[0]), slots(0), slots(1), slots(2), slots(3), result_logged, slots(4)
+            float(summed[0]), slots(0), slots(1), slots(2), slots(3), result_logged, slots(4)
         )

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from lightning_parallel.comm.devices import side_group
 from lightning_parallel.comm.groups import new_group
 
 __all__: list[str] = []
@@ -92,16 +93,30 @@ class PipelineTopology:
 
 @dataclass
 class ProcessGroups:
-    """This rank's pipeline group and data-parallel group."""
+    """This rank's process groups (:mod:`lightning_parallel.comm.devices` gives the device rule).
+
+    Attributes:
+        pipeline: the stages of this rank's pipeline: activations travel on it, forward.
+        data_parallel: this stage in every pipeline: gradient averaging.
+        pipeline_backward: the same ranks as ``pipeline``, for the gradients travelling
+            backward (``None``: ``pipeline``). On NCCL the two directions between a pair of
+            stages then have their own communicators and streams, so that a send forward never
+            waits behind a receive backward queued on the same stream.
+        bookkeeping: a gloo group over the same ranks as ``pipeline``, for the host's values
+            (the end-of-step summary, gradient norms); ``None``: ``pipeline``.
+    """
 
     pipeline: dist.ProcessGroup | None
     data_parallel: dist.ProcessGroup | None
+    pipeline_backward: dist.ProcessGroup | None = None
+    bookkeeping: dist.ProcessGroup | None = None
 
 
 def build_process_groups(topology: PipelineTopology, rank: int) -> ProcessGroups:
     """Create every pipeline and data-parallel group (collectively, on every rank, in the same
-    order) and return those that contain ``rank``."""
-    pipeline = data_parallel = None
+    order) and return those that contain ``rank``; with more than one stage also each
+    pipeline's backward group and gloo bookkeeping group."""
+    pipeline = data_parallel = backward = bookkeeping = None
     for group in range(topology.groups):
         ranks = topology.pipeline_ranks(group)
         created = new_group(ranks)
@@ -112,4 +127,10 @@ def build_process_groups(topology: PipelineTopology, rank: int) -> ProcessGroups
         created = new_group(ranks)
         if rank in ranks:
             data_parallel = created
-    return ProcessGroups(pipeline, data_parallel)
+    if topology.stages > 1:
+        for group in range(topology.groups):
+            ranks = topology.pipeline_ranks(group)
+            created, side = new_group(ranks), side_group(ranks)
+            if rank in ranks:
+                backward, bookkeeping = created, side
+    return ProcessGroups(pipeline, data_parallel, backward, bookkeeping)

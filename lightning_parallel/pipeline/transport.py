@@ -1,7 +1,10 @@
 """Point-to-point transport of activations and gradients between neighbouring stages.
 
 Every message goes over ``torch.distributed`` ``isend``/``recv`` (gloo on CPU, NCCL on CUDA),
-never as a pickled object:
+never as a pickled object, on the device the group takes
+(:mod:`lightning_parallel.comm.devices`): over NCCL from device to device, over gloo through
+host memory (a CUDA tensor is copied to the host to be sent and back to ``device`` once
+received):
 
 1. forward, stage ``k`` to ``k+1``: a fixed-size int64 *header* tensor describing the payload
    (tuple or single tensor, count, and per tensor its dtype code, whether it requires grad, its
@@ -9,6 +12,12 @@ never as a pickled object:
    change from one micro-batch to the next (a smaller last micro-batch);
 2. backward, stage ``k+1`` to ``k``: the gradient of every input that required grad, no header
    (stage ``k`` knows the shapes of what it sent).
+
+Gradients travel on a group of their own when one is given (``backward_group``): on NCCL each
+direction between two stages then has its own communicator and stream, and a send never waits
+behind a receive of the other direction queued before it. Host values that travel between
+neighbours (the no-flush runtime's gradient norms) use :attr:`StageTransport.bookkeeping`, a
+gloo group whose tags are honoured.
 
 Sends are asynchronous: :meth:`StageTransport.wait_sends` completes them (call it before the
 step ends, the buffers must stay alive until then). Receives block; their waiting time is
@@ -23,6 +32,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from lightning_parallel.comm.devices import empty_for, to_group
 
 __all__: list[str] = []
 
@@ -104,8 +115,12 @@ class StageTransport:
     Args:
         stage: this stage's index ``k``.
         stage_ranks: global rank of every stage of this pipeline, by stage index.
-        group: process group that contains ``stage_ranks`` (``None``: the default group).
-        device: device to receive tensors on.
+        group: process group that contains ``stage_ranks`` (``None``: the default group);
+            activations travel on it.
+        device: device to receive tensors on (the stage's device).
+        backward_group: a group over the same ranks for the gradients (``None``: ``group``).
+        bookkeeping_group: a gloo group over the same ranks for host values (``None``:
+            ``group``).
     """
 
     def __init__(
@@ -114,6 +129,8 @@ class StageTransport:
         stage_ranks: Sequence[int],
         group: dist.ProcessGroup | None = None,
         device: torch.device | None = None,
+        backward_group: dist.ProcessGroup | None = None,
+        bookkeeping_group: dist.ProcessGroup | None = None,
     ) -> None:
         if not 0 <= stage < len(stage_ranks):
             raise ValueError(f"stage {stage} is outside 0..{len(stage_ranks) - 1}")
@@ -121,8 +138,15 @@ class StageTransport:
         self.stage_ranks = list(stage_ranks)
         self.group = group
         self.device = device or torch.device("cpu")
+        self.backward_group = backward_group if backward_group is not None else group
+        self._bookkeeping = bookkeeping_group
         self.pending: list[tuple[Any, torch.Tensor]] = []
         self.bytes_sent = 0
+
+    @property
+    def bookkeeping(self) -> dist.ProcessGroup | None:
+        """The group for host values between neighbours (gloo where one was given)."""
+        return self._bookkeeping if self._bookkeeping is not None else self.group
 
     @property
     def previous_rank(self) -> int:
@@ -132,40 +156,45 @@ class StageTransport:
     def next_rank(self) -> int:
         return self.stage_ranks[self.stage + 1]
 
-    def _isend(self, tensor: torch.Tensor, destination: int, tag: int) -> None:
-        payload = tensor.detach().contiguous()
-        work = dist.isend(payload, dst=destination, group=self.group, tag=tag)
-        self.pending.append((work, payload))
+    def _isend(self, tensor: torch.Tensor, destination: int, tag: int, group: Any) -> None:
+        payload = to_group(tensor.detach().contiguous(), group, point_to_point=True)
+        work = dist.isend(payload, dst=destination, group=group, tag=tag)
+        self.pending.append((work, payload))  # alive until the send completes
         self.bytes_sent += payload.numel() * payload.element_size()
+
+    def _recv(
+        self, shape: Sequence[int], dtype: torch.dtype, source: int, tag: int, group: Any
+    ) -> torch.Tensor:
+        buffer = empty_for(group, shape, dtype)
+        dist.recv(buffer, src=source, group=group, tag=tag)
+        return buffer
 
     def send_activations(self, output: Any) -> None:
         """Send a stage output (tensor or tuple of tensors) to the next stage."""
         tensors, is_tuple = stage_output_tensors(output, self.stage)
-        self._isend(
-            encode_header(tensors, is_tuple).to(self.device), self.next_rank, ACTIVATION_TAG
-        )
+        header = encode_header(tensors, is_tuple)
+        self._isend(header, self.next_rank, ACTIVATION_TAG, self.group)
         for tensor in tensors:
-            self._isend(tensor, self.next_rank, ACTIVATION_TAG)
+            self._isend(tensor, self.next_rank, ACTIVATION_TAG, self.group)
 
     def recv_activations(self) -> tuple[Any, float]:
         """Receive the previous stage's output, as sent; floating tensors become leaves that
         require grad where the sender's did. Returns (value, seconds spent waiting)."""
         start = time.perf_counter()
-        header = torch.empty(HEADER_LENGTH, dtype=torch.int64, device=self.device)
-        dist.recv(header, src=self.previous_rank, group=self.group, tag=ACTIVATION_TAG)
+        source, group = self.previous_rank, self.group
+        header = self._recv((HEADER_LENGTH,), torch.int64, source, ACTIVATION_TAG, group)
         is_tuple, specs = decode_header(header.cpu())
         tensors = []
         for dtype, requires_grad, shape in specs:
-            tensor = torch.empty(shape, dtype=dtype, device=self.device)
-            dist.recv(tensor, src=self.previous_rank, group=self.group, tag=ACTIVATION_TAG)
-            tensors.append(tensor.requires_grad_(requires_grad))
+            received = self._recv(shape, dtype, source, ACTIVATION_TAG, group)
+            tensors.append(received.to(self.device).requires_grad_(requires_grad))
         waited = time.perf_counter() - start
         return (tuple(tensors) if is_tuple else tensors[0]), waited
 
     def send_gradients(self, gradients: Sequence[torch.Tensor]) -> None:
         """Send the gradients of this stage's inputs that required grad to the previous stage."""
         for gradient in gradients:
-            self._isend(gradient, self.previous_rank, GRADIENT_TAG)
+            self._isend(gradient, self.previous_rank, GRADIENT_TAG, self.backward_group)
 
     def recv_gradients(self, outputs: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], float]:
         """Receive the gradients of ``outputs`` (those that require grad) from the next stage."""
@@ -174,9 +203,10 @@ class StageTransport:
         for output in outputs:
             # contiguous whatever the output's layout (a slice or a transposed view): what
             # arrives is packed, and receives need contiguous memory
-            gradient = torch.empty(output.shape, dtype=output.dtype, device=self.device)
-            dist.recv(gradient, src=self.next_rank, group=self.group, tag=GRADIENT_TAG)
-            gradients.append(gradient)
+            gradient = self._recv(
+                output.shape, output.dtype, self.next_rank, GRADIENT_TAG, self.backward_group
+            )
+            gradients.append(gradient.to(output.device))
         return gradients, time.perf_counter() - start
 
     def wait_sends(self) -> float:

@@ -45,6 +45,7 @@ from torch.distributed.constants import default_pg_timeout
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
+from lightning_parallel.comm.devices import to_group
 from lightning_parallel.comm.groups import set_group_timeout
 from lightning_parallel.comm.liveness import (
     Liveness,
@@ -292,7 +293,7 @@ def _sigterm_broadcast(trainer: pl.Trainer) -> Callable[[], None]:
 
     def broadcast() -> None:
         received = 1 if getattr(trainer, "received_sigterm", False) else 0
-        flag = torch.tensor([received], device=trainer.strategy.root_device)
+        flag = to_group(torch.tensor([received], device=trainer.strategy.root_device))
         dist.broadcast(flag, src=0)
         if flag.item() == 1:
             with suppress(Exception):

@@ -45,6 +45,7 @@ from torch import Tensor, nn
 from torch.distributed.constants import default_pg_timeout as DEFAULT_TIMEOUT
 from typing_extensions import override
 
+from lightning_parallel.comm.devices import to_group
 from lightning_parallel.comm.ledger import process_ledger
 from lightning_parallel.comm.modules import optimizers_to_device
 from lightning_parallel.compat import register_strategy
@@ -321,6 +322,7 @@ class GroPipeStrategy(PipelineStrategyBase):
             assert parameter.grad is not None
             squares += parameter.grad.detach().double().pow(2).sum()
         if self.stages > 1:
+            squares = to_group(squares, self._groups.pipeline)
             dist.all_reduce(squares, group=self._groups.pipeline)
         coefficient = float(clip_val) / (math.sqrt(float(squares)) + 1e-6)
         if coefficient < 1.0:

@@ -49,7 +49,7 @@ class HyloStrategy(ParallelStrategyBase):
         cost_model: per-layer fallback to uncompressed when compression does not pay.
         bandwidth: link bandwidth in bits per second for the cost model (``None``: measured).
         overlap: exchange on a background thread, overlapping the backward pass (``None``:
-            on CPU yes, on CUDA no).
+            on CPU yes, on CUDA no; ``True`` on CUDA raises).
         reconstruction: ``"mean"`` or ``"threshold"``: what 2-bit codes decode to.
         block_size: values per 2-bit block with its own threshold and scale (default 512;
             ``"none"``: one per tensor).

@@ -31,8 +31,11 @@ What it guarantees, where Lightning's ``model_averaging_period`` and torch's
    ``bytes_per_round`` and ``round_wait_s`` in the process ledger, which ``CommStats`` logs.
 
 Registered names: ``model_averaging`` and ``local_sgd`` (periodic, ``period=8``), ``bmuf``
-(classic block momentum ``1 − 1/M``, ``period=8``), ``easgd`` (``beta=0.9``, ``period=4``),
-``diloco`` (outer Nesterov SGD lr 0.7 momentum 0.9, ``period=16``).
+(Nesterov block momentum 0.5 with block learning rate 0.5, ``period=8``), ``easgd``
+(``beta=0.9``, center first, ``period=4``), ``diloco`` (outer Nesterov SGD lr 0.7 momentum
+0.5, ``period=16``). Their defaults keep the step of the inner optimizer (tuned as for DDP)
+rather than multiply it; docs/model_averaging.md ("Defaults") gives the measurements and the
+papers' own values.
 
 Example::
 
@@ -45,6 +48,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable, Mapping
 from datetime import timedelta
@@ -72,7 +76,11 @@ from lightning_parallel.averaging import (
     build_reduction,
     replica_files,
 )
-from lightning_parallel.averaging.outer_optimizer import OuterOptimizerFactory
+from lightning_parallel.averaging.outer_optimizer import (
+    DILOCO_OUTER_LR,
+    DILOCO_OUTER_MOMENTUM,
+    OuterOptimizerFactory,
+)
 from lightning_parallel.averaging.policies import (
     BUFFER_POLICIES,
     OPTIMIZER_STATE_POLICIES,
@@ -142,16 +150,21 @@ class ModelAveragingStrategy(ParallelStrategyBase):
             independent of validation).
         ranks_per_host: processes per host for ``reduce="tree"``; default ``LOCAL_WORLD_SIZE``,
             else the trainer's ``devices``.
-        block_momentum: BMUF's ``η`` (default ``1 − 1/M``).
-        block_learning_rate: BMUF's ``ζ`` (default 1).
-        nesterov: BMUF restarts from ``x_g + η·Δ`` (default ``False``).
+        block_momentum: BMUF's ``η`` (default 0.5; the paper's ``1 − 1/M`` is 0.5 for 2
+            processes, 0.75 for 4).
+        block_learning_rate: BMUF's ``ζ`` (default ``1 − η``: the block momentum smooths the
+            rounds without enlarging the step; the paper's is 1).
+        nesterov: BMUF restarts from ``x_g + η·Δ`` (default ``True``).
         alpha: EASGD's worker moving rate (default ``beta / M``).
         beta: EASGD's center moving rate (default 0.9).
-        center_first: EASGD moves the center before pulling the workers (default ``False``).
+        center_first: EASGD moves the center before pulling the workers (default ``True``;
+            ``False`` for the paper's simultaneous update).
         outer_optimizer: name of a ``torch.optim`` class (``"sgd"``, ``"adam"``, ...) or a
             function building an optimizer from a list of tensors (default ``"sgd"``).
         outer_lr: outer learning rate (default 0.7, DiLoCo's).
-        outer_momentum: outer momentum for optimizers that take one (default 0.9 for SGD).
+        outer_momentum: outer momentum for optimizers that take one (default 0.5 for SGD;
+            DiLoCo's 0.9 multiplies the step by up to ``outer_lr / (1 − 0.9) = 7``, see
+            :func:`~lightning_parallel.averaging.diloco_outer_optimizer`).
         outer_nesterov: Nesterov outer momentum for SGD (default ``True``).
         start_method: ``"popen"`` (default; also what externally launched processes need),
             ``"spawn"``, ``"fork"`` or ``"forkserver"``.
@@ -474,7 +487,8 @@ def _closure_averaging_gradients(
 def _averager_factory(
     algorithm: str | Averager, hyperparameters: dict[str, Any]
 ) -> tuple[str, Callable[[], Averager]]:
-    """The canonical algorithm name and a function building a fresh averager for it."""
+    """The canonical algorithm name and a function building a fresh averager for it (picklable,
+    as the ``spawn`` launcher pickles the strategy, when the algorithm's arguments are)."""
     given = {name: value for name, value in hyperparameters.items() if value is not None}
     if isinstance(algorithm, Averager):
         if given:
@@ -482,8 +496,7 @@ def _averager_factory(
                 f"{', '.join(sorted(given))} configure a named algorithm; set them on the "
                 f"{type(algorithm).__name__} you pass instead"
             )
-        instance = algorithm
-        return type(algorithm).__name__, lambda: instance
+        return type(algorithm).__name__, functools.partial(_given, algorithm)
     if not isinstance(algorithm, str):
         raise TypeError(f"algorithm must be a name or an Averager, got {type(algorithm).__name__}")
     name = _ALIASES.get(algorithm.lower(), algorithm.lower())
@@ -500,25 +513,22 @@ def _averager_factory(
         return name, PeriodicAverager
     if name == "one_shot":
         return name, OneShotAverager
+    options = {key: given[key] for key in allowed if key in given}  # unset: the class's default
     if name == "bmuf":
-        return name, lambda: BlockMomentumAverager(
-            block_momentum=given.get("block_momentum"),
-            block_learning_rate=given.get("block_learning_rate", 1.0),
-            nesterov=bool(given.get("nesterov", False)),
-        )
+        return name, functools.partial(BlockMomentumAverager, **options)
     if name == "easgd":
-        return name, lambda: ElasticAverager(
-            alpha=given.get("alpha"),
-            beta=given.get("beta", 0.9),
-            center_first=bool(given.get("center_first", False)),
-        )
+        return name, functools.partial(ElasticAverager, **options)
     factory = _outer_optimizer_factory(
         given.get("outer_optimizer", "sgd"),
         given.get("outer_lr"),
         given.get("outer_momentum"),
         given.get("outer_nesterov"),
     )
-    return name, lambda: OuterOptimizerAverager(factory)
+    return name, functools.partial(OuterOptimizerAverager, factory)
+
+
+def _given(averager: Averager) -> Averager:
+    return averager
 
 
 def _outer_optimizer_factory(
@@ -551,9 +561,9 @@ def _outer_optimizer_factory(
             f"{', '.join(sorted(classes))}"
         )
     accepted = inspect.signature(optimizer_class).parameters
-    options: dict[str, Any] = {"lr": 0.7 if lr is None else lr}
+    options: dict[str, Any] = {"lr": DILOCO_OUTER_LR if lr is None else lr}
     if optimizer_class is torch.optim.SGD:
-        options["momentum"] = 0.9 if momentum is None else momentum
+        options["momentum"] = DILOCO_OUTER_MOMENTUM if momentum is None else momentum
         options["nesterov"] = True if nesterov is None else nesterov
         if options["nesterov"] and options["momentum"] == 0:
             options["nesterov"] = False  # torch rejects Nesterov without momentum
@@ -569,7 +579,7 @@ def _outer_optimizer_factory(
     optimizer_class(  # bad values (negative lr, ...) fail at construction
         [torch.zeros(1)], **options
     )
-    return lambda params: optimizer_class(params, **options)
+    return functools.partial(optimizer_class, **options)
 
 
 def _optional_int(name: str, value: object) -> int | None:
@@ -614,7 +624,7 @@ register_strategy(
 register_strategy(
     "bmuf",
     ModelAveragingStrategy,
-    "BMUF: model averaging with block momentum 1 - 1/M every `period` steps",
+    "BMUF: Nesterov block momentum 0.5, block learning rate 0.5, every `period` steps",
     algorithm="bmuf",
     period=8,
 )
@@ -625,15 +635,16 @@ register_strategy(
     algorithm="easgd",
     period=4,
     beta=0.9,
+    center_first=True,
 )
 register_strategy(
     "diloco",
     ModelAveragingStrategy,
-    "DiLoCo: outer Nesterov SGD (lr 0.7, momentum 0.9) on the pseudo-gradient every `period` steps",
+    "DiLoCo: outer Nesterov SGD (lr 0.7, momentum 0.5) on the pseudo-gradient every `period` steps",
     algorithm="outer_optimizer",
     period=16,
     outer_optimizer="sgd",
-    outer_lr=0.7,
-    outer_momentum=0.9,
+    outer_lr=DILOCO_OUTER_LR,
+    outer_momentum=DILOCO_OUTER_MOMENTUM,
     outer_nesterov=True,
 )

@@ -5,7 +5,8 @@ computes gradients on its own batches; the optimizer runs on server shards (thre
 ranks, on a gloo process group of their own); the user's module and optimizer are unchanged.
 
 Supported: one optimizer, automatic optimization, validation at epoch ends, CPU or GPU workers
-(the server keeps its weights on the CPU), any ``torch.optim`` optimizer and learning-rate
+(the server keeps its weights and its messages on the CPU, over gloo; GPU workers are not yet
+run on a real GPU, see ``docs/gpu.md``), any ``torch.optim`` optimizer and learning-rate
 scheduler, checkpoints that load under ``ddp`` and on one device. How a step goes:
 
 1. Lightning's closure runs ``training_step``, backward, gradient clipping and the
@@ -58,6 +59,7 @@ from torchmetrics import Metric
 from torchmetrics.utilities.distributed import gather_all_tensors
 from typing_extensions import override
 
+from lightning_parallel.comm.devices import copy_back, to_group
 from lightning_parallel.comm.groups import new_group
 from lightning_parallel.comm.ledger import process_ledger
 from lightning_parallel.comm.liveness import is_communication_error
@@ -430,7 +432,9 @@ class ParameterServerStrategy(ParallelStrategyBase):
             for buffer in buffers:
                 if self.global_rank != 0:  # again at a retry: a failed sum may have left some
                     buffer.zero_()
-                torch.distributed.all_reduce(buffer, group=group)
+                placed = to_group(buffer, group)  # the model's device: no copy
+                torch.distributed.all_reduce(placed, group=group)
+                copy_back(buffer, placed)
 
         self._collective(rank_zeros)
 

@@ -5,7 +5,8 @@ data-parallel groups of ``stages`` pipeline stages. It owns what does not depend
 
 1. **placement**: the topology (which rank runs which stage of which group; the last stage of
    group 0 is global rank 0, where Lightning's loggers and progress bar live), the pipeline and
-   data-parallel process groups, a gloo side group for checkpoint bytes, and per-group samplers;
+   data-parallel process groups, gloo side groups for host values and checkpoint bytes (the
+   device rule of :mod:`lightning_parallel.comm.devices`), and per-group samplers;
 2. **assembly**, before the first training batch (:meth:`on_train_batch_start`, so that the
    optimizer Lightning steps is already the rebuilt one) or at the first evaluation batch: the
    stage-0 model input is captured by calling the user's step with ``forward`` patched, the
@@ -54,7 +55,7 @@ from torch import Tensor, nn
 from torch.distributed.constants import default_pg_timeout as DEFAULT_TIMEOUT
 from typing_extensions import override
 
-from lightning_parallel.comm.groups import new_group
+from lightning_parallel.comm.devices import copy_back, side_group, to_group
 from lightning_parallel.comm.ledger import process_ledger
 from lightning_parallel.comm.modules import broadcast_module_states, reduce_tensor
 from lightning_parallel.compat.types import StrPath
@@ -66,6 +67,7 @@ from lightning_parallel.pipeline.checkpoint_layout import (
 )
 from lightning_parallel.pipeline.consolidate import gather_to_root, remove_spill
 from lightning_parallel.pipeline.grad_sync import PartitionGradientSync
+from lightning_parallel.pipeline.link import measure_link_seconds_per_byte
 from lightning_parallel.pipeline.microbatch import merge_microbatches, split_microbatches
 from lightning_parallel.pipeline.ownership import (
     Ownership,
@@ -308,7 +310,7 @@ class PipelineStrategyBase(ParallelStrategyBase):
             self._groups = build_process_groups(topology, self.global_rank)
             if self.world_size > 1:
                 # checkpoint bytes are CPU tensors: a gloo group whatever the default backend
-                self._cpu_group = new_group(backend="gloo")
+                self._cpu_group = side_group()
 
     # -- setup and teardown ------------------------------------------------------------------
 
@@ -478,9 +480,12 @@ class PipelineStrategyBase(ParallelStrategyBase):
         assert self._groups is not None and self._topology is not None
         if self.groups > 1 and self._groups.data_parallel is not None:
             source = self._topology.rank(0, self.stage_index)
+            group = self._groups.data_parallel
             with torch.no_grad():
                 for tensor in owned:
-                    dist.broadcast(tensor, src=source, group=self._groups.data_parallel)
+                    placed = to_group(tensor, group)
+                    dist.broadcast(placed, src=source, group=group)
+                    copy_back(tensor, placed)
 
     def _build_runtime(
         self, stages: list[StageModule], owned: list[Tensor]
@@ -490,7 +495,12 @@ class PipelineStrategyBase(ParallelStrategyBase):
         transport = None
         if self.stages > 1:
             transport = StageTransport(
-                k, topology.pipeline_ranks(self.group_index), groups.pipeline, self.root_device
+                k,
+                topology.pipeline_ranks(self.group_index),
+                groups.pipeline,
+                self.root_device,
+                backward_group=groups.pipeline_backward,
+                bookkeeping_group=groups.bookkeeping,
             )
         parameters = [t for t in owned if isinstance(t, nn.Parameter)]
         runtime = StageRuntime(
@@ -505,7 +515,10 @@ class PipelineStrategyBase(ParallelStrategyBase):
             rank=self.global_rank,
         )
         summary = StepSummary(
-            self.stages, k, groups.pipeline, topology.rank(self.group_index, self.stages - 1)
+            self.stages,
+            k,
+            groups.bookkeeping if groups.bookkeeping is not None else groups.pipeline,
+            topology.rank(self.group_index, self.stages - 1),
         )
         return runtime, summary
 
@@ -582,6 +595,12 @@ class PipelineStrategyBase(ParallelStrategyBase):
         errors = [p for p in profiles if isinstance(p, str)]
         if errors:
             raise PartitionError(errors[0])
+        link = 0.0
+        if not deferred and len(profiles) > 1 and self._topology is not None:
+            # the cut's transfers count beside compute (pipeline.link)
+            pipelines = [self._topology.pipeline_ranks(g) for g in range(self.groups)]
+            link = measure_link_seconds_per_byte(pipelines, self.global_rank, self.root_device)
+            process_ledger().set_gauge("link_seconds_per_megabyte", link * 2**20)
         plan = partition(
             mean_profile(profiles),
             self.stages,
@@ -589,6 +608,7 @@ class PipelineStrategyBase(ParallelStrategyBase):
             schedule=getattr(getattr(self, "schedule", None), "name", "1f1b"),
             recompute=getattr(self, "recompute", "never"),
             memory_limit_bytes=self.memory_limit_bytes,
+            link_seconds_per_byte=link,
         )
         return list(plan.boundaries), plan
 
@@ -679,6 +699,7 @@ class PipelineStrategyBase(ParallelStrategyBase):
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
         value = torch.tensor(int(decision), device=self.root_device)
         if dist.is_available() and dist.is_initialized():
+            value = to_group(value)
             dist.all_reduce(value)
         return bool(value == self.world_size) if all else bool(value)
 

@@ -59,7 +59,7 @@ from torch import Tensor, nn
 from torch.distributed.constants import default_pg_timeout as DEFAULT_TIMEOUT
 from typing_extensions import override
 
-from lightning_parallel.comm.groups import new_group
+from lightning_parallel.comm.devices import side_group, to_group
 from lightning_parallel.comm.ledger import process_ledger
 from lightning_parallel.compat import register_strategy
 from lightning_parallel.pipeline.grad_sync import PartitionGradientSync
@@ -95,6 +95,7 @@ class _AsyncMirror:
     Vector: ``[loss, schema fingerprint, value count, telemetry (4 per stage), values...]``;
     each rank writes its own slots (zeros elsewhere), so the sum is a gather. The names and
     options of the logged values travel once, by broadcast, when their fingerprint changes.
+    These are host values: ``group`` is a gloo group (:mod:`lightning_parallel.comm.devices`).
     """
 
     def __init__(
@@ -125,18 +126,20 @@ class _AsyncMirror:
                 vector[3 + len(_TELEMETRY) * p + i] = entry.value
         for i, figure in enumerate(telemetry):
             vector[3 + i * p + self.stage] = figure
-        work = dist.all_reduce(vector, group=self.group, async_op=True)
-        self._pending = (work, vector, list(logged))
+        placed = to_group(vector, self.group)
+        work = dist.all_reduce(placed, group=self.group, async_op=True)
+        self._pending = (work, placed, list(logged))
 
     def complete(self) -> _Mirrored | None:
         """Finish the pending exchange (None if there is none)."""
         if self._pending is None:
             return None
-        work, vector, logged = self._pending
+        work, placed, logged = self._pending
         self._pending = None
         work.wait()
+        vector = placed.tolist()
         p, count = self.stages, int(vector[2])
-        values = vector[3 + len(_TELEMETRY) * p : 3 + len(_TELEMETRY) * p + count].tolist()
+        values = vector[3 + len(_TELEMETRY) * p : 3 + len(_TELEMETRY) * p + count]
         fingerprint = int(vector[1])
         if fingerprint != self._fingerprint or count > self.capacity:
             payload: list[Any] = [
@@ -298,9 +301,10 @@ class SpecTrainStrategy(PipelineStrategyBase):
         # before Lightning restores callback state from a checkpoint (that precedes setup())
         self._attach_callback()
         if self.stages > 1 and self._mirror_groups is None and self._topology is not None:
-            # a group of its own, so the asynchronous exchange never queues behind other work
+            # a gloo group of its own (host values), so the asynchronous exchange never queues
+            # behind other work
             self._mirror_groups = [
-                new_group(self._topology.pipeline_ranks(group))
+                side_group(self._topology.pipeline_ranks(group))
                 for group in range(self._topology.groups)
             ]
 

@@ -83,15 +83,48 @@ def test_bmuf_closed_form_two_rounds() -> None:
     assert torch.allclose(bmuf.global_model[0], torch.full((2,), zeta))
     assert torch.allclose(first, torch.full((2,), zeta + eta * zeta))
     second = bmuf.update([torch.zeros(2)], [torch.full((2,), 2.0)])[0]
-    delta = eta * zeta + zeta * (2.0 - zeta)
+    # the block's progress counts from where it started (the restart point), not from x_g
+    delta = eta * zeta + zeta * (2.0 - (zeta + eta * zeta))
     assert torch.allclose(bmuf.block_momentum_buffer[0], torch.full((2,), delta))
     assert torch.allclose(second, torch.full((2,), zeta + delta + eta * delta))
 
 
-def test_bmuf_default_block_momentum_is_one_minus_one_over_m() -> None:
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_bmuf_is_sgd_with_momentum_on_the_pseudo_gradient(nesterov: bool) -> None:
+    # Classic block momentum is heavy-ball SGD (lr ζ, momentum η) on x_g − x̄, Nesterov block
+    # momentum is torch's Nesterov SGD; a look-ahead counted twice would drift away (and, at
+    # η = 1 − 1/M with ζ = 1, grow without bound).
+    bmuf = BlockMomentumAverager(block_momentum=0.5, block_learning_rate=1.0, nesterov=nesterov)
+    outer = OuterOptimizerAverager(
+        lambda p: torch.optim.SGD(p, lr=1.0, momentum=0.5, nesterov=nesterov)
+    )
+    _assert_histories_close(_replica_rounds(bmuf, rounds=6), _replica_rounds(outer, rounds=6))
+
+
+def test_nesterov_bmuf_stays_bounded_under_constant_progress() -> None:
+    # Every round the workers move +1 from where they started; at steady state the restart
+    # point moves ζ/(1 − η) = 2 per round (not a growing amount).
+    bmuf = BlockMomentumAverager(block_momentum=0.5, block_learning_rate=1.0, nesterov=True)
+    bmuf.reset([torch.zeros(1)], world_size=2)
+    start = torch.zeros(1)
+    moves = []
+    for _ in range(30):
+        restart = bmuf.update([start + 1.0], [start + 1.0])[0]
+        moves.append(float(restart - start))
+        start = restart
+    assert moves[0] == pytest.approx(1.5)  # (1 + η)·ζ in the first round
+    assert moves[-1] == pytest.approx(2.0, abs=1e-6)
+
+
+def test_bmuf_defaults_and_the_papers_one_minus_one_over_m() -> None:
     bmuf = BlockMomentumAverager()
     bmuf.reset([torch.zeros(1)], world_size=4)
-    assert bmuf.block_momentum == pytest.approx(0.75)
+    assert (bmuf.block_momentum, bmuf.block_learning_rate, bmuf.nesterov) == (0.5, 0.5, True)
+    paper = BlockMomentumAverager(block_momentum=None, block_learning_rate=1.0)
+    paper.reset([torch.zeros(1)], world_size=4)
+    assert paper.block_momentum == pytest.approx(0.75)
+    assert paper.block_learning_rate == 1.0
+    assert BlockMomentumAverager(block_momentum=0.8).block_learning_rate == pytest.approx(0.2)
 
 
 def test_bmuf_without_momentum_equals_periodic() -> None:
@@ -121,11 +154,68 @@ def test_lookahead_moves_alpha_of_the_way() -> None:
 
 
 def test_easgd_closed_form_and_center() -> None:
-    easgd = ElasticAverager(alpha=0.2, beta=0.6)
+    easgd = ElasticAverager(alpha=0.2, beta=0.6, center_first=False)  # the paper's update
     easgd.reset([torch.zeros(1)], world_size=3)
     restart = easgd.update([torch.full((1,), 2.0)], [torch.full((1,), 1.0)])[0]
     assert torch.allclose(restart, torch.tensor([2.0 - 0.2 * 2.0]))
     assert torch.allclose(easgd.center[0], torch.tensor([0.6]))
+    center_first = ElasticAverager(alpha=0.2, beta=0.6)  # the default: the center moves first
+    center_first.reset([torch.zeros(1)], world_size=3)
+    restart = center_first.update([torch.full((1,), 2.0)], [torch.full((1,), 1.0)])[0]
+    assert torch.allclose(center_first.center[0], torch.tensor([0.6]))
+    assert torch.allclose(restart, torch.tensor([2.0 - 0.2 * (2.0 - 0.6)]))
+
+
+def _steady_progress(averager: Averager, world: int, rounds: int = 200) -> float:
+    """Per-round advance of the replicas' mean when every worker moves +1 in every round.
+
+    Each worker ``i`` keeps its own offset (the replicas of EASGD never agree), so the workers
+    are simulated one averager copy each, as on ``world`` ranks.
+    """
+    copies = [averager]
+    for _ in range(world - 1):
+        clone = type(averager).__new__(type(averager))
+        clone.__dict__.update(averager.__dict__)
+        copies.append(clone)
+    for copy in copies:
+        copy.reset([torch.zeros(1, dtype=torch.float64)], world)
+    replicas = [torch.full((1,), float(i), dtype=torch.float64) for i in range(world)]
+    means = []
+    for _ in range(rounds):
+        replicas = [replica + 1.0 for replica in replicas]
+        mean = [torch.stack(replicas).mean(0)]
+        replicas = [
+            copy.update([replica], mean)[0].clone()
+            for copy, replica in zip(copies, replicas, strict=True)
+        ]
+        means.append(float(torch.stack(replicas).mean()))
+    return means[-1] - means[-2]
+
+
+def test_easgd_default_keeps_the_progress_of_each_round() -> None:
+    # At β = 0.9, α = β/2, moving the center first keeps 1 − α(1 − β)/(1 − (1 − α)(1 − β))
+    # (95%) of the workers' progress per round; the paper's simultaneous update only
+    # β/(α + β) (2/3), which is why the registered easgd trained a third slower.
+    alpha, beta = 0.45, 0.9
+    kept = 1 - alpha * (1 - beta) / (1 - (1 - alpha) * (1 - beta))
+    assert _steady_progress(ElasticAverager(), world=2) == pytest.approx(kept)
+    assert kept > 0.95
+    simultaneous = _steady_progress(ElasticAverager(center_first=False), world=2)
+    assert simultaneous == pytest.approx(beta / (alpha + beta))
+
+
+def test_default_bmuf_and_diloco_keep_the_step_near_the_workers_progress() -> None:
+    # With constant progress per round the restart point moves ζ/(1 − η) (BMUF) or
+    # lr/(1 − μ) (outer Nesterov SGD) times as far: the defaults keep that near 1, where the
+    # papers' values (η = 1 − 1/M with ζ = 1; lr 0.7 with μ = 0.9) give M and 7.
+    assert _steady_progress(BlockMomentumAverager(), world=2) == pytest.approx(1.0)
+    assert _steady_progress(
+        OuterOptimizerAverager(diloco_outer_optimizer()), world=2
+    ) == pytest.approx(1.4)
+    paper = OuterOptimizerAverager(diloco_outer_optimizer(lr=0.7, momentum=0.9))
+    assert _steady_progress(paper, world=2) == pytest.approx(7.0)
+    paper_bmuf = BlockMomentumAverager(block_momentum=None, block_learning_rate=1.0)
+    assert _steady_progress(paper_bmuf, world=4) == pytest.approx(4.0)
 
 
 def test_easgd_alpha_one_over_m_makes_the_center_the_periodic_mean() -> None:
@@ -179,6 +269,8 @@ def test_state_dict_round_trip_continues_exactly(make) -> None:  # type: ignore[
 def test_bad_hyperparameters_raise_naming_the_fix() -> None:
     with pytest.raises(ValueError, match="block_momentum"):
         BlockMomentumAverager(block_momentum=1.0)
+    with pytest.raises(ValueError, match="block_learning_rate"):
+        BlockMomentumAverager(block_learning_rate=0.0)
     with pytest.raises(ValueError, match="beta"):
         ElasticAverager(beta=0.0)
     with pytest.raises(ValueError, match="alpha"):

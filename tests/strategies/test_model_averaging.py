@@ -15,7 +15,12 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_parallel.strategies.model_averaging  # noqa: F401  (registers the names)
-from lightning_parallel.averaging import BlockMomentumAverager, replica_files
+from lightning_parallel.averaging import (
+    BlockMomentumAverager,
+    ElasticAverager,
+    OuterOptimizerAverager,
+    replica_files,
+)
 from lightning_parallel.strategies.model_averaging import CHECKPOINT_KEY, ModelAveragingStrategy
 
 
@@ -365,10 +370,26 @@ def test_registered_names_and_bench_style_construction() -> None:
     diloco = StrategyRegistry["diloco"]["strategy"](**StrategyRegistry["diloco"]["init_params"])
     outer = diloco._make_averager()
     outer.reset([torch.zeros(1)], 2)
+    assert isinstance(outer, OuterOptimizerAverager)
     assert outer.optimizer is not None
     assert outer.optimizer.defaults["lr"] == 0.7
-    assert outer.optimizer.defaults["momentum"] == 0.9
+    assert outer.optimizer.defaults["momentum"] == 0.5  # not the paper's 0.9: see the docs
     assert outer.optimizer.defaults["nesterov"]
+    bmuf = StrategyRegistry["bmuf"]["strategy"](**StrategyRegistry["bmuf"]["init_params"])
+    block = bmuf._make_averager()
+    block.reset([torch.zeros(1)], 2)
+    assert isinstance(block, BlockMomentumAverager)
+    assert (block.block_momentum, block.block_learning_rate, block.nesterov) == (0.5, 0.5, True)
+    easgd = StrategyRegistry["easgd"]["strategy"](**StrategyRegistry["easgd"]["init_params"])
+    elastic = easgd._make_averager()
+    elastic.reset([torch.zeros(1)], 2)
+    assert isinstance(elastic, ElasticAverager)
+    assert (elastic.alpha, elastic.beta, elastic.center_first) == (0.45, 0.9, True)
+    # the algorithm's name gives the same defaults as the registered preset
+    named = ModelAveragingStrategy(algorithm="easgd")._make_averager()
+    assert isinstance(named, ElasticAverager) and named.center_first
+    paper = ModelAveragingStrategy(algorithm="easgd", center_first="false")._make_averager()
+    assert isinstance(paper, ElasticAverager) and not paper.center_first
     assert StrategyRegistry["diloco"]["init_params"]["period"] == 16
     assert StrategyRegistry["easgd"]["init_params"]["period"] == 4
     custom = ModelAveragingStrategy(algorithm=BlockMomentumAverager(block_momentum=0.3))

@@ -43,6 +43,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from lightning_parallel.comm.devices import empty_for, to_group
 from lightning_parallel.pipeline.noflush.predictors import WeightPredictor
 from lightning_parallel.pipeline.timeline import Clock, TimelineEvent
 from lightning_parallel.pipeline.transport import StageTransport, stage_output_tensors
@@ -341,7 +342,7 @@ class NoFlushPipeline:
         if scale != 1.0:
             torch._foreach_mul_(grads, scale)
         if self.data_parallel_group is not None and grads:
-            flat = torch.cat([g.reshape(-1) for g in grads])
+            flat = to_group(torch.cat([g.reshape(-1) for g in grads]), self.data_parallel_group)
             dist.all_reduce(flat, group=self.data_parallel_group)
             flat /= dist.get_world_size(self.data_parallel_group)
             offset = 0
@@ -370,6 +371,8 @@ class NoFlushPipeline:
         2. stage 0's suffix is the exact total; it travels forward with every activation;
         3. stage k estimates the upstream part by that of the newest update v whose total it
            knows: ``prefix ≈ total(v) - suffix_k(v)``. Exact on stage 0 and with one stage.
+
+        The norms are host values: they travel on the transport's bookkeeping group (gloo).
         """
         assert self.transport is not None or self.stages == 1
         update = self.updates
@@ -379,23 +382,19 @@ class NoFlushPipeline:
         downstream = 0.0
         if not self.last:
             assert self.transport is not None
-            buffer = torch.zeros(1, dtype=torch.float64)
-            dist.recv(
-                buffer,
-                src=self.transport.next_rank,
-                group=self.transport.group,
-                tag=_NORM_BACKWARD_TAG,
-            )
+            group = self.transport.bookkeeping
+            buffer = empty_for(group, (1,), torch.float64)
+            dist.recv(buffer, src=self.transport.next_rank, group=group, tag=_NORM_BACKWARD_TAG)
             downstream = float(buffer)
         suffix = own + downstream
         if not self.first:
             assert self.transport is not None
-            payload = torch.tensor([suffix], dtype=torch.float64)
+            group = self.transport.bookkeeping
+            payload = to_group(
+                torch.tensor([suffix], dtype=torch.float64), group, point_to_point=True
+            )
             work = dist.isend(
-                payload,
-                dst=self.transport.previous_rank,
-                group=self.transport.group,
-                tag=_NORM_BACKWARD_TAG,
+                payload, dst=self.transport.previous_rank, group=group, tag=_NORM_BACKWARD_TAG
             )
             self.transport.pending.append((work, payload))
         self._suffix[update] = suffix
@@ -412,24 +411,21 @@ class NoFlushPipeline:
     def _send_total(self) -> None:
         assert self.transport is not None
         newest, total = self._newest_total
-        payload = torch.tensor([float(newest), total], dtype=torch.float64)
-        work = dist.isend(
-            payload, dst=self.transport.next_rank, group=self.transport.group, tag=_NORM_FORWARD_TAG
+        group = self.transport.bookkeeping
+        payload = to_group(
+            torch.tensor([float(newest), total], dtype=torch.float64), group, point_to_point=True
         )
+        work = dist.isend(payload, dst=self.transport.next_rank, group=group, tag=_NORM_FORWARD_TAG)
         self.transport.pending.append((work, payload))
 
     def _receive_total(self) -> None:
         assert self.transport is not None
-        buffer = torch.zeros(2, dtype=torch.float64)
-        dist.recv(
-            buffer,
-            src=self.transport.previous_rank,
-            group=self.transport.group,
-            tag=_NORM_FORWARD_TAG,
-        )
-        newest = int(buffer[0])
-        if newest > self._newest_total[0]:
-            self._newest_total = (newest, float(buffer[1]))
+        group = self.transport.bookkeeping
+        buffer = empty_for(group, (2,), torch.float64)
+        dist.recv(buffer, src=self.transport.previous_rank, group=group, tag=_NORM_FORWARD_TAG)
+        newest, total = buffer.tolist()
+        if int(newest) > self._newest_total[0]:
+            self._newest_total = (int(newest), float(total))
 
     # ----------------------------------------------------------------------------- driving
     def step(

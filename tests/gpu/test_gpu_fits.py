@@ -1,0 +1,117 @@
+"""Every strategy family fits a few steps on CUDA (``pytest -m gpu``; skipped without CUDA).
+
+Two processes, launched by ``spawn`` (a process that initialised CUDA cannot fork children
+that use it, and the pytest process itself never touches CUDA): on two or more GPUs one GPU per
+rank over NCCL; on one GPU both ranks share it over gloo (NCCL refuses two ranks on one device),
+so gloo moves the CUDA tensors through host memory by the rule of
+:mod:`lightning_parallel.comm.devices`. Each fit writes a checkpoint; the model's step asserts
+that it runs on CUDA.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from helpers.models import ConvBatchNormNet, image_loader
+from pytorch_lightning.callbacks import ModelCheckpoint
+from pytorch_lightning.strategies import DDPStrategy, StrategyRegistry
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.slow,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available"),
+]
+
+
+def placement() -> dict[str, Any]:
+    """Two ranks: one GPU each over NCCL, or both on GPU 0 over gloo."""
+    if torch.cuda.device_count() >= 2:
+        return {
+            "parallel_devices": [torch.device("cuda", 0), torch.device("cuda", 1)],
+            "process_group_backend": "nccl",
+        }
+    return {"parallel_devices": [torch.device("cuda", 0)] * 2, "process_group_backend": "gloo"}
+
+
+def _strategy(family: str, where: dict[str, Any]) -> tuple[Any, dict[str, Any], list[Any]]:
+    from lightning_parallel.callbacks.hylo import HyloCompression
+    from lightning_parallel.strategies.gropipe import GroPipeStrategy
+    from lightning_parallel.strategies.hylo import HyloStrategy
+    from lightning_parallel.strategies.parameter_server import ParameterServerStrategy
+    from lightning_parallel.strategies.spectrain import SpecTrainStrategy
+
+    common = {"start_method": "spawn", **where}
+    hylo = {"min_compress_numel": 64, "warmup_steps": 1}
+    if family == "ddp":
+        return DDPStrategy(**common), {}, []
+    if family == "hylo":
+        return HyloStrategy(**hylo, **common), {}, []
+    if family == "hylo_callback":
+        return DDPStrategy(**common), {}, [HyloCompression(**hylo)]
+    if family == "parameter_server":
+        return ParameterServerStrategy(shards=2, **common), {}, []
+    if family == "gropipe":
+        return GroPipeStrategy(stages=2, micro_batches=2, **common), {"gradient_clip_val": 1.0}, []
+    if family == "spectrain":
+        return SpecTrainStrategy(stages=2, **common), {"gradient_clip_val": 1.0}, []
+    if family.startswith("preset:"):  # model_averaging and its registered presets
+        entry = StrategyRegistry[family.removeprefix("preset:")]
+        options = {**entry["init_params"], "period": 2, **common}
+        return entry["strategy"](**options), {}, []
+    raise AssertionError(family)
+
+
+FAMILIES = [
+    "ddp",
+    "hylo",
+    "hylo_callback",
+    "preset:model_averaging",
+    "preset:local_sgd",
+    "preset:bmuf",
+    "preset:easgd",
+    "preset:diloco",
+    "parameter_server",
+    "gropipe",
+    "spectrain",
+]
+
+
+def fit(family: str, folder: Path, accelerator: str, where: dict[str, Any]) -> pl.Trainer:
+    """Fit ``family`` on ``where``'s devices (``placement()`` on CUDA) with a checkpoint."""
+    import lightning_parallel  # noqa: F401  (registers the strategy names)
+
+    strategy, options, callbacks = _strategy(family, where)
+    trainer = pl.Trainer(
+        accelerator=accelerator,
+        devices=len(set(where["parallel_devices"])),
+        strategy=strategy,
+        max_epochs=1,
+        limit_train_batches=6,
+        limit_val_batches=2,
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[ModelCheckpoint(dirpath=folder, save_last=True), *callbacks],
+        default_root_dir=folder,
+        **options,
+    )
+    trainer.fit(
+        ConvBatchNormNet(channels=8, hidden=64, device_type=accelerator),
+        image_loader(128, 16),
+        image_loader(128, 16),
+    )
+    return trainer
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_gpu_fit(family: str, tmp_path: Path) -> None:
+    trainer = fit(family, tmp_path, "cuda", placement())
+    assert trainer.state.finished
+    assert (tmp_path / "last.ckpt").is_file()
+    assert math.isfinite(float(trainer.callback_metrics["val_loss"]))

@@ -1,0 +1,57 @@
+"""A small model and data the device and GPU fits share."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, TensorDataset
+
+
+class ConvBatchNormNet(pl.LightningModule):
+    """Convolution, BatchNorm and two linear layers on 1x8x8 inputs, 4 classes: every Hylo
+    route and BatchNorm statistics. Given ``device_type``, a training step on another device
+    fails."""
+
+    def __init__(self, channels: int = 4, hidden: int = 32, device_type: str | None = None) -> None:
+        super().__init__()
+        self.device_type = device_type
+        self.layers = nn.Sequential(
+            nn.Conv2d(1, channels, 3, padding=1),
+            nn.BatchNorm2d(channels),
+            nn.ReLU(),
+            nn.Flatten(),
+            nn.Linear(channels * 8 * 8, hidden),
+            nn.ReLU(),
+            nn.Linear(hidden, 4),
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.layers(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        x, y = batch
+        output = self(x)
+        if self.device_type is not None and output.device.type != self.device_type:
+            raise AssertionError(f"the step ran on {output.device}, not on {self.device_type}")
+        loss = F.cross_entropy(output, y)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", F.cross_entropy(self(x), y), sync_dist=True)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+
+def image_loader(samples: int = 64, batch_size: int = 8) -> DataLoader:
+    """``samples`` random 1x8x8 images with 4 classes, fixed by seed 0."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(samples, 1, 8, 8, generator=generator)
+    y = torch.randint(0, 4, (samples,), generator=generator)
+    return DataLoader(TensorDataset(x, y), batch_size=batch_size)
