@@ -201,7 +201,9 @@ def _is_refusal(error: BaseException, progress: _Progress) -> bool:
     """A refusal: a clean error (``ValueError``, ``TypeError``, ``ImportError``, Lightning's
     ``MisconfigurationException``) from building the strategy until the first training step
     finished (an error in building the model or data is the bench's settings, not a refusal)."""
-    clean = isinstance(error, _REFUSALS) or type(error).__name__ == "MisconfigurationException"
+    from pytorch_lightning.utilities.exceptions import MisconfigurationException
+
+    clean = isinstance(error, (*_REFUSALS, MisconfigurationException))
     return clean and progress.strategy and progress.steps == 0
 
 

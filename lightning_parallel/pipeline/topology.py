@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from lightning_parallel.comm.devices import side_group
+from lightning_parallel.comm.devices import group_device, side_group
 from lightning_parallel.comm.groups import new_group
 
 __all__: list[str] = []
@@ -114,7 +114,7 @@ class ProcessGroups:
 
 def build_process_groups(topology: PipelineTopology, rank: int) -> ProcessGroups:
     """Create every pipeline and data-parallel group (collectively, on every rank, in the same
-    order) and return those that contain ``rank``; with more than one stage also each
+    order) and return those that contain ``rank``; with more than one stage on CUDA also each
     pipeline's backward group and gloo bookkeeping group."""
     pipeline = data_parallel = backward = bookkeeping = None
     for group in range(topology.groups):
@@ -127,7 +127,9 @@ def build_process_groups(topology: PipelineTopology, rank: int) -> ProcessGroups
         created = new_group(ranks)
         if rank in ranks:
             data_parallel = created
-    if topology.stages > 1:
+    # on CUDA (NCCL), gradients get a group of their own and host values a gloo group; on
+    # gloo one group carries everything, matched by tags
+    if topology.stages > 1 and group_device(None).type == "cuda":
         for group in range(topology.groups):
             ranks = topology.pipeline_ranks(group)
             created, side = new_group(ranks), side_group(ranks)
