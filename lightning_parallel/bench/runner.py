@@ -41,7 +41,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from lightning_parallel.bench.specs import build_strategy, parse_spec
+from lightning_parallel.bench.specs import build_strategy, parse_spec, split_trainer_options
 from lightning_parallel.cluster.cgroups import check_memory_requirements
 from lightning_parallel.cluster.faults import ProcessEnd, check_faults, parse_fault
 from lightning_parallel.cluster.launcher import ClusterRun, run_on_hosts
@@ -367,7 +367,8 @@ def run_spec(spec: str, config: BenchConfig, log_dir: Path) -> dict[str, Any]:
     started = time.perf_counter()
     try:
         name = parse_spec(spec).name
-        build_strategy(spec)  # bad names and options fail here, before a cluster is built
+        # bad names and options fail here, before a cluster is built
+        build_strategy(split_trainer_options(parse_spec(spec))[0])
         parse_spec(config.model)
         parse_spec(config.data)
     except (ValueError, TypeError) as error:

@@ -9,8 +9,10 @@ NAME is looked up, in order:
    name this package registers (``ddp_fp16``, ``ddp_powersgd``, ...): the strategy class is
    built with the registered ``init_params`` updated by the SPEC's options.
 
-Option values are parsed as int, float, bool (``true``/``false``), ``none``, or kept as text:
-``ddp_powersgd:rank=2,start_powerSGD_iter=4``.
+Options the ``Trainer`` takes (:data:`TRAINER_OPTIONS`, e.g.
+``parameter_server:accumulate_grad_batches=4``) go to the ``Trainer`` of that run, the others to
+the strategy. Option values are parsed as int, float, bool (``true``/``false``), ``none``, or
+kept as text: ``ddp_powersgd:rank=2,start_powerSGD_iter=4``.
 """
 
 from __future__ import annotations
@@ -28,6 +30,9 @@ from pytorch_lightning.strategies import Strategy, StrategyRegistry
 __all__: list[str] = []
 
 BaselineFactory = Callable[..., Strategy]
+
+TRAINER_OPTIONS = ("accumulate_grad_batches",)
+"""SPEC options given to the run's ``Trainer`` rather than to its strategy."""
 
 
 @dataclass(frozen=True)
@@ -159,6 +164,13 @@ def resolve(spec: Spec | str) -> tuple[Callable[..., Strategy], dict[str, Any]]:
         f"unknown strategy {spec.name!r} in spec {spec.text!r}; "
         f"choose one of: {', '.join(available())}"
     )
+
+
+def split_trainer_options(spec: Spec) -> tuple[Spec, dict[str, Any]]:
+    """``spec`` without its :data:`TRAINER_OPTIONS`, and those options (for the ``Trainer``)."""
+    trainer = {k: v for k, v in spec.options.items() if k in TRAINER_OPTIONS}
+    rest = {k: v for k, v in spec.options.items() if k not in TRAINER_OPTIONS}
+    return Spec(spec.text, spec.name, rest), trainer
 
 
 def build_strategy(spec: Spec | str) -> Strategy:

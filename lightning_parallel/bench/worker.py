@@ -239,7 +239,7 @@ def train(args: argparse.Namespace, progress: _Progress | None = None) -> dict[s
     import torch
     from pytorch_lightning.strategies import DDPStrategy
 
-    from lightning_parallel.bench.specs import build_strategy, parse_spec
+    from lightning_parallel.bench.specs import build_strategy, parse_spec, split_trainer_options
     from lightning_parallel.callbacks.comm_stats import CommStats
     from lightning_parallel.callbacks.straggler import Straggler
     from lightning_parallel.comm.accounting import ring_allreduce_bytes
@@ -263,7 +263,8 @@ def train(args: argparse.Namespace, progress: _Progress | None = None) -> dict[s
     )
     model = build_model(model_spec.name, data=datamodule, **model_spec.options)
     progress.strategy = True
-    strategy = build_strategy(spec_text)
+    spec, trainer_options = split_trainer_options(parse_spec(spec_text))
+    strategy = build_strategy(spec)
     stats = CommStats(log=False)
     probe = _make_probe(interface, args.progress_every, progress)
     straggler = Straggler.from_env()
@@ -282,6 +283,7 @@ def train(args: argparse.Namespace, progress: _Progress | None = None) -> dict[s
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
+        **trainer_options,
     )
     trainer.fit(model, datamodule=datamodule)
     last_validated = probe.validations[-1]["step"] if probe.validations else -1.0
