@@ -28,7 +28,8 @@ def _parser() -> argparse.ArgumentParser:
         description=(
             "Train the same model on the same data for the same steps under each SPEC, each "
             "on a fresh simulated cluster (network namespaces, shaped links), and compare. "
-            "SPEC is NAME or NAME:key=value,... (e.g. ddp_powersgd:rank=2). Needs root."
+            "SPEC is NAME or NAME:key=value,... (e.g. ddp_powersgd:rank=2; the option "
+            "accumulate_grad_batches goes to the run's Trainer). Needs root."
         ),
     )
     parser.add_argument(

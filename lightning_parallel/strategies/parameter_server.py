@@ -91,17 +91,21 @@ class ParameterServerStrategy(ParallelStrategyBase):
     """Train asynchronously against a parameter server with staleness control.
 
     Args:
-        staleness: learning-rate scaling by staleness τ (updates missed; 0 = fresh): ``"none"``
-            (default), ``"inverse"`` (η/(τ+1), Zhang et al.'s η/τ), ``"sqrt"`` (η/√(τ+1)),
-            ``"exp"`` (η·e^(−staleness_decay·τ)).
+        staleness: learning-rate scaling by staleness τ (updates missed; 0 = fresh):
+            ``"inverse"`` (default, η/(τ+1), Zhang et al.'s η/τ), ``"none"``, ``"sqrt"``
+            (η/√(τ+1)), ``"exp"`` (η·e^(−staleness_decay·τ)).
         softsync: n-softsync: each server update averages n gradients (default 1: apply each
             on arrival; must not exceed the number of workers).
         max_staleness: SSP bound s: no gradient is applied more than s updates stale; a fast
             worker blocks instead (default ``None``: unbounded; ``0``: synchronous SGD).
         dc: DC-ASGD delay-compensation λ (default 0.0: off; the paper uses about 0.04).
-        lr_scale: factor on the user's learning rate for every server update (default 1.0);
-            ``"auto"``: ``softsync / world_size``, the step per sample of synchronous training
-            (each update applies ``softsync`` gradients, not the mean of all workers').
+        lr_scale: factor on the user's learning rate for every server update; ``"auto"``
+            (default): ``softsync / world_size``, the step per sample of synchronous training
+            (each update applies ``softsync`` gradients, not the mean of all workers'; 1 with
+            ``max_staleness=0``, where every update averages one gradient per worker); a
+            number: that factor (1.0: the user's rate for every gradient). The defaults,
+            ``staleness="inverse"`` with ``lr_scale="auto"``, trained on every seed measured
+            where ``"none"`` with 1.0 diverged on two of three (``docs/parameter_server.md``).
         overlap: compute the next batch while the step's gradient and the fresh weights are
             on the wire (default ``False``): hides the exchange at the cost of one exchange of
             staleness per gradient; needs ``max_staleness=None``.
@@ -135,12 +139,12 @@ class ParameterServerStrategy(ParallelStrategyBase):
 
     def __init__(
         self,
-        staleness: str = "none",
+        staleness: str = "inverse",
         softsync: int = 1,
         softsync_wait: bool | str = True,
         max_staleness: int | float | str | None = None,
         dc: float = 0.0,
-        lr_scale: float | str = 1.0,
+        lr_scale: float | str = "auto",
         overlap: bool | str = False,
         wire_dtype: str | None = None,
         drop_staleness: int | float | str | None = None,
@@ -243,7 +247,10 @@ class ParameterServerStrategy(ParallelStrategyBase):
                 f"({trainer.world_size}); use softsync <= {trainer.world_size}"
             )
         if self.lr_scale_auto:
-            scale = self.policy.softsync / trainer.world_size
+            # the step per sample of synchronous training: an update applies softsync gradients,
+            # or one per worker under max_staleness=0 (synchronous SGD: no scaling)
+            synchronous = self.policy.max_staleness == 0
+            scale = 1.0 if synchronous else self.policy.softsync / trainer.world_size
             self.policy = dataclasses.replace(self.policy, lr_scale=scale)
         if self.shards > trainer.world_size or self.server_rank >= trainer.world_size:
             raise ValueError(

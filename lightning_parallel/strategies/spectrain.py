@@ -69,6 +69,7 @@ from lightning_parallel.pipeline.noflush import (
     LearningRateForecast,
     NoFlushPipeline,
     ScheduledLearningRate,
+    default_prediction,
     make_weight_predictor,
 )
 from lightning_parallel.pipeline.summary import LoggedValue, LogRecorder
@@ -180,7 +181,10 @@ class SpecTrainStrategy(PipelineStrategyBase):
         stages: pipeline stages per group, ``N``; the world size must be a multiple of it.
         micro_batches: units per batch; every unit is one weight update (1: the batch is the
             unit, as in the paper).
-        prediction: ``"v2"`` (forward and backward on the weights predicted ``N-k-1`` updates
+        prediction: ``"auto"`` (default: ``"v2"`` under Adam/AdamW and with 2 stages,
+            ``"none"`` for other optimizers with more stages: the measured winners, see
+            ``docs/spectrain.md``),
+            ``"v2"`` (forward and backward on the weights predicted ``N-k-1`` updates
             ahead), ``"v1"`` (the paper: forward ``⌊k/2⌋+N-k-1``, backward ``⌊k/2⌋`` ahead),
             ``"stash"`` (PipeDream weight stashing), ``"2bw"`` (double-buffered weights,
             one update per ``N`` units), ``"none"`` or ``None`` (stale weights).
@@ -216,7 +220,7 @@ class SpecTrainStrategy(PipelineStrategyBase):
         self,
         stages: int = 2,
         micro_batches: int = 1,
-        prediction: str | None = "v2",
+        prediction: str | None = "auto",
         learning_rates: str = "schedule",
         direction: str = "auto",
         gamma: float | None = None,
@@ -231,8 +235,10 @@ class SpecTrainStrategy(PipelineStrategyBase):
     ) -> None:
         if prediction is None:  # "none" parsed as None by config parsers (the benchmark's)
             prediction = "none"
-        if prediction not in PREDICTION_MODES:
-            raise ValueError(f"prediction must be one of {PREDICTION_MODES}, got {prediction!r}")
+        if prediction != "auto" and prediction not in PREDICTION_MODES:
+            raise ValueError(
+                f"prediction must be 'auto' or one of {PREDICTION_MODES}, got {prediction!r}"
+            )
         if learning_rates not in ("schedule", "constant"):
             raise ValueError(
                 f"learning_rates must be 'schedule' or 'constant', got {learning_rates!r}"
@@ -369,7 +375,7 @@ class SpecTrainStrategy(PipelineStrategyBase):
         optimizer = self.optimizers[0]
         owned = self._pipeline.owned_parameters
         predictor = make_weight_predictor(
-            self.prediction,
+            self.prediction_in_use(optimizer),
             owned,
             optimizer,
             stage=k,
@@ -400,9 +406,9 @@ class SpecTrainStrategy(PipelineStrategyBase):
             track_norms=bool(module.trainer.gradient_clip_val)
             and module.trainer.gradient_clip_algorithm in (None, "norm"),
         )
-        if self._loaded_state is not None:
-            self._noflush.load_state_dict(self._loaded_state)
-            self._loaded_state = None
+        loaded, self._loaded_state = self._loaded_state, None
+        if loaded is not None and loaded.get("prediction") == self.prediction_in_use(optimizer):
+            self._noflush.load_state_dict(loaded["state"])
         if self.stages > 1:
             assert self._mirror_groups is not None
             self._mirror = _AsyncMirror(
@@ -537,7 +543,16 @@ class SpecTrainStrategy(PipelineStrategyBase):
 
     @override
     def timeline_title(self) -> str:
-        return f"SpecTrain, no flush, N={self.stages}, prediction={self.prediction}"
+        optimizer = self.optimizers[0] if self.optimizers else None
+        prediction = self.prediction_in_use(optimizer)
+        return f"SpecTrain, no flush, N={self.stages}, prediction={prediction}"
+
+    def prediction_in_use(self, optimizer: torch.optim.Optimizer | None) -> str:
+        """The prediction option trained with: ``prediction``, ``"auto"`` resolved for
+        ``optimizer`` (:func:`~lightning_parallel.pipeline.noflush.default_prediction`)."""
+        if self.prediction == "auto":
+            return default_prediction(optimizer, self.stages)
+        return self.prediction
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
@@ -611,14 +626,15 @@ class SpecTrainStrategy(PipelineStrategyBase):
         self.drain()
         if self._noflush is None:
             return {}
-        return {"prediction": self.prediction, "state": self._noflush.state_dict()}
+        prediction = self.prediction_in_use(self.optimizers[0] if self.optimizers else None)
+        return {"prediction": prediction, "state": self._noflush.state_dict()}
 
     @override
     def load_stage_state(self, state: dict[str, Any]) -> None:
         """Resume the predictor state of :meth:`stage_state` (applied when the no-flush
         runtime is built, at the first training batch)."""
-        if state and state.get("prediction") == self.prediction:
-            self._loaded_state = state["state"]
+        if state:  # kept if it was saved under the prediction option in use (checked then)
+            self._loaded_state = state
 
 
 register_strategy(

@@ -126,6 +126,27 @@ def test_fit_shares_the_epoch_and_reports_telemetry(tmp_path, overlap):
     assert "ps_wait_s" in ranks[1]["gauges"]
 
 
+def test_local_accumulation_pushes_once_per_m_batches(tmp_path):
+    """``accumulate_grad_batches=m``: a worker accumulates m local batches and pushes their mean
+    once ("iterate m steps, then synchronise"): about m times fewer pushes, every batch still
+    trained once. Lightning steps at an epoch's last batch whatever was accumulated, so each
+    rank's share of an epoch ends with one partial push at most."""
+    stats = CommStats(log=False)
+    record = _Record(tmp_path, stats)
+    trainer = _trainer(
+        ParameterServerStrategy(start_method="fork"),
+        callbacks=[stats, record],
+        accumulate_grad_batches=4,
+    )
+    trainer.fit(_Tiny(samples=128))
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert sum(r["batches"] for r in ranks) == 2 * 16
+    pushes = sum(r["gauges"]["ps_gradients_sent"] for r in ranks)
+    assert ranks[0]["gauges"]["ps_applied"] == pushes
+    full, partial_at_most = 2 * 16 // 4, 2 * 2  # 2 ranks x 2 epochs
+    assert full <= pushes <= full + partial_at_most
+
+
 class _Slow(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if trainer.global_rank == 1:

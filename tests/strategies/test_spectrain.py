@@ -176,7 +176,7 @@ def test_fit_with_validation_drains_measures_and_checkpoints(tmp_path: Path) -> 
     model = Net()
     checkpoint = ModelCheckpoint(dirpath=tmp_path, monitor="train_loss", save_top_k=1)
     trainer = _trainer(
-        SpecTrainStrategy(stages=2, micro_batches=2, start_method="fork"),
+        SpecTrainStrategy(stages=2, micro_batches=2, prediction="v2", start_method="fork"),
         max_epochs=2,
         enable_checkpointing=True,
         callbacks=[checkpoint, Probe(tmp_path)],
@@ -220,7 +220,9 @@ def test_resume_from_a_checkpoint_is_exact(tmp_path: Path) -> None:
         model = Net()
         checkpoint = ModelCheckpoint(dirpath=directory, save_top_k=-1, every_n_epochs=1)
         trainer = _trainer(
-            SpecTrainStrategy(stages=2, micro_batches=2, partition=[2], start_method="fork"),
+            SpecTrainStrategy(
+                stages=2, micro_batches=2, partition=[2], prediction="v2", start_method="fork"
+            ),
             max_epochs=max_epochs,
             limit_val_batches=0,
             enable_checkpointing=True,
@@ -246,8 +248,9 @@ def test_registered_name_and_bad_arguments() -> None:
     strategy = entry["strategy"](**{**entry["init_params"], "stages": 2, "prediction": "none"})
     assert isinstance(strategy, SpecTrainStrategy) and strategy.reports_communication
     assert strategy.prediction == "none" and strategy.micro_batches == 1
-    with pytest.raises(ValueError, match="prediction must be one of"):
+    with pytest.raises(ValueError, match="prediction must be 'auto' or one of"):
         SpecTrainStrategy(prediction="v3")
+    assert SpecTrainStrategy().prediction == "auto"
     with pytest.raises(ValueError, match="learning_rates"):
         SpecTrainStrategy(learning_rates="cosine")
     assert strategy.learning_rate_scale == "staleness"  # stale stages keep the stable margin

@@ -35,6 +35,7 @@ from lightning_parallel.pipeline.noflush.predictors import (
     SpecTrainPrediction,
     WeightPredictor,
     WeightStashing,
+    default_prediction,
     make_weight_predictor,
 )
 from lightning_parallel.pipeline.noflush.runtime import NoFlushPipeline, StageTelemetry
@@ -54,6 +55,7 @@ __all__ = [
     "StageTelemetry",
     "WeightPredictor",
     "WeightStashing",
+    "default_prediction",
     "make_weight_predictor",
     "staleness_learning_rate_scale",
 ]

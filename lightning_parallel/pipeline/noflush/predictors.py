@@ -87,6 +87,22 @@ PredictionMode = Literal["v2", "v1", "stash", "2bw", "none"]
 PREDICTION_MODES: tuple[str, ...] = ("v2", "v1", "stash", "2bw", "none")
 
 
+def default_prediction(optimizer: Optimizer | None, stages: int) -> str:
+    """What ``prediction="auto"`` uses: ``"v2"`` under Adam/AdamW and on 2-stage pipelines,
+    ``"none"`` for other optimizers on deeper ones.
+
+    Chosen by measurement (``docs/spectrain.md``, *Which prediction, measured*), 3 seeds or
+    more each: with 4 stages under AdamW v2 ended ahead of stale weights and of weight stashing
+    on every seed; with 2 stages under SGD with momentum v2 ended ahead of stale weights on every
+    seed; with 4 stages under SGD with momentum no option was ahead beyond the run-to-run noise
+    (stage 0 then steps at 2% of the learning rate or less), and ``"none"`` holds no predicted
+    weights.
+    """
+    if isinstance(optimizer, torch.optim.Adam) or stages <= 2:
+        return "v2"
+    return "none"
+
+
 class WeightPredictor:
     """Decide the weights of one stage for the forward and the backward of each micro-batch.
 

@@ -12,6 +12,7 @@ from lightning_parallel.pipeline.noflush import (
     ScheduledLearningRate,
     SpecTrainPrediction,
     WeightStashing,
+    default_prediction,
     make_weight_predictor,
     staleness_learning_rate_scale,
 )
@@ -189,3 +190,14 @@ def test_staleness_option_resolves_delay_momentum_and_correction() -> None:
     assert scale("stash", adam, 1, 3) == staleness_learning_rate_scale(1, 0.8)  # Adam's β1
     assert scale("2bw", sgd, 0, 4) == staleness_learning_rate_scale(1, 0.9)  # one update stale
     assert scale("v2", sgd, 2, 3) == scale("none", sgd, 1, 2) == 1.0  # last stage: never stale
+
+
+def test_auto_prediction_is_v2_under_adam_or_two_stages_else_none() -> None:
+    parameters = [torch.nn.Parameter(torch.zeros(3))]
+    sgd = torch.optim.SGD(parameters, lr=0.1, momentum=0.9)
+    for stages in (2, 4):
+        assert default_prediction(torch.optim.AdamW(parameters), stages) == "v2"
+        assert default_prediction(torch.optim.Adam(parameters), stages) == "v2"
+    assert default_prediction(sgd, 2) == "v2"
+    assert default_prediction(sgd, 4) == "none"
+    assert default_prediction(None, 3) == "none"
