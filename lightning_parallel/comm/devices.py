@@ -22,6 +22,8 @@ Where the declared device does not exist, :func:`to_group` leaves the tensor whe
 remembers the device the rule placed it on (:func:`placed_device`); a tensor handed to such a
 group without :func:`to_group` still reads as a CPU tensor, which is the mistake to catch.
 
+:func:`broadcast_` and :func:`all_reduce_` do the round trip for an in-place collective.
+
 Example::
 
     summary = torch.tensor(values, dtype=torch.float64)  # built on the host
@@ -153,6 +155,22 @@ def copy_back(original: Tensor, placed: Tensor) -> Tensor:
     if placed is not original:
         original.copy_(placed)
     return original
+
+
+def broadcast_(tensor: Tensor, src: int, group: Any = None) -> Tensor:
+    """``dist.broadcast`` of ``tensor`` in place, handed over on ``group``'s device (through
+    :func:`to_group` and :func:`copy_back`); returns ``tensor``."""
+    placed = to_group(tensor, group)
+    dist.broadcast(placed, src=src, group=group)
+    return copy_back(tensor, placed)
+
+
+def all_reduce_(tensor: Tensor, group: Any = None, op: Any = dist.ReduceOp.SUM) -> Tensor:
+    """``dist.all_reduce`` of ``tensor`` in place, handed over on ``group``'s device (through
+    :func:`to_group` and :func:`copy_back`); returns ``tensor``."""
+    placed = to_group(tensor, group)
+    dist.all_reduce(placed, op=op, group=group)
+    return copy_back(tensor, placed)
 
 
 def placed_device(tensor: Tensor) -> torch.device:

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_parallel.comm.devices import copy_back, to_group
+from lightning_parallel.comm.devices import all_reduce_, broadcast_
 
 __all__: list[str] = []
 
@@ -31,10 +31,7 @@ def broadcast_module_states(module: torch.nn.Module, src: int = 0, group: Any = 
     with torch.no_grad():
         for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
             if name not in ignore:
-                data = tensor.data
-                placed = to_group(data, group)
-                dist.broadcast(placed, src=src, group=group)
-                copy_back(data, placed)
+                broadcast_(tensor.data, src, group)
 
 
 def optimizers_to_device(optimizers: Iterable[torch.optim.Optimizer], device: torch.device) -> None:
@@ -79,9 +76,7 @@ def reduce_tensor(tensor: Tensor, group: Any = None, reduce_op: Any = "mean") ->
         op = getattr(dist.ReduceOp, reduce_op.upper())
     else:
         op = dist.ReduceOp.SUM if reduce_op is None else reduce_op
-    placed = to_group(tensor, group)
-    dist.all_reduce(placed, op=op, group=group)
-    copy_back(tensor, placed)
+    all_reduce_(tensor, group, op)
     if not average:
         return tensor
     size = dist.get_world_size(group)

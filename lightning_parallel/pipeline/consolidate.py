@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_parallel.comm.devices import copy_back, empty_for, to_group
+from lightning_parallel.comm.devices import broadcast_, empty_for, to_group
 
 __all__: list[str] = []
 
@@ -134,9 +134,7 @@ def broadcast_stage_state(
                 flat = torch.cat([t.detach().reshape(-1) for t in tensors])
             else:
                 flat = torch.empty(total, dtype=dtype, device=device)
-            placed = to_group(flat, group)
-            dist.broadcast(placed, src=owner, group=group)
-            flat = copy_back(flat, placed)
+            broadcast_(flat, owner, group)
             if stage == own_stage:
                 continue
             offset = 0

@@ -156,11 +156,14 @@ class StageTransport:
     def next_rank(self) -> int:
         return self.stage_ranks[self.stage + 1]
 
-    def _isend(self, tensor: torch.Tensor, destination: int, tag: int, group: Any) -> None:
+    def _isend(
+        self, tensor: torch.Tensor, destination: int, tag: int, group: Any, counted: bool = True
+    ) -> None:
         payload = to_group(tensor.detach().contiguous(), group, point_to_point=True)
         work = dist.isend(payload, dst=destination, group=group, tag=tag)
         self.pending.append((work, payload))  # alive until the send completes
-        self.bytes_sent += payload.numel() * payload.element_size()
+        if counted:
+            self.bytes_sent += payload.numel() * payload.element_size()
 
     def _recv(
         self, shape: Sequence[int], dtype: torch.dtype, source: int, tag: int, group: Any
@@ -208,6 +211,17 @@ class StageTransport:
             )
             gradients.append(gradient.to(output.device))
         return gradients, time.perf_counter() - start
+
+    def send_values(self, values: Sequence[float], destination: int, tag: int) -> None:
+        """Send host values (float64) to a neighbour on :attr:`bookkeeping`, asynchronously
+        (completed by :meth:`wait_sends`); not counted in :attr:`bytes_sent`, which counts
+        activations and gradients."""
+        payload = torch.tensor(list(values), dtype=torch.float64)
+        self._isend(payload, destination, tag, self.bookkeeping, counted=False)
+
+    def recv_values(self, count: int, source: int, tag: int) -> list[float]:
+        """Receive ``count`` host values sent by :meth:`send_values`."""
+        return self._recv((count,), torch.float64, source, tag, self.bookkeeping).tolist()
 
     def wait_sends(self) -> float:
         """Complete every pending send; returns the seconds spent waiting."""

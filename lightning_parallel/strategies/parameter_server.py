@@ -59,7 +59,7 @@ from torchmetrics import Metric
 from torchmetrics.utilities.distributed import gather_all_tensors
 from typing_extensions import override
 
-from lightning_parallel.comm.devices import copy_back, to_group
+from lightning_parallel.comm.devices import all_reduce_
 from lightning_parallel.comm.groups import new_group
 from lightning_parallel.comm.ledger import process_ledger
 from lightning_parallel.comm.liveness import is_communication_error
@@ -439,9 +439,7 @@ class ParameterServerStrategy(ParallelStrategyBase):
             for buffer in buffers:
                 if self.global_rank != 0:  # again at a retry: a failed sum may have left some
                     buffer.zero_()
-                placed = to_group(buffer, group)  # the model's device: no copy
-                torch.distributed.all_reduce(placed, group=group)
-                copy_back(buffer, placed)
+                all_reduce_(buffer, group)  # on the model's device: no copy
 
         self._collective(rank_zeros)
 

@@ -55,7 +55,7 @@ from torch import Tensor, nn
 from torch.distributed.constants import default_pg_timeout as DEFAULT_TIMEOUT
 from typing_extensions import override
 
-from lightning_parallel.comm.devices import copy_back, side_group, to_group
+from lightning_parallel.comm.devices import broadcast_, side_group, to_group
 from lightning_parallel.comm.ledger import process_ledger
 from lightning_parallel.comm.modules import broadcast_module_states, reduce_tensor
 from lightning_parallel.compat.types import StrPath
@@ -483,9 +483,7 @@ class PipelineStrategyBase(ParallelStrategyBase):
             group = self._groups.data_parallel
             with torch.no_grad():
                 for tensor in owned:
-                    placed = to_group(tensor, group)
-                    dist.broadcast(placed, src=source, group=group)
-                    copy_back(tensor, placed)
+                    broadcast_(tensor, source, group)
 
     def _build_runtime(
         self, stages: list[StageModule], owned: list[Tensor]

@@ -375,7 +375,7 @@ class SpecTrainStrategy(PipelineStrategyBase):
         optimizer = self.optimizers[0]
         owned = self._pipeline.owned_parameters
         predictor = make_weight_predictor(
-            self.prediction_in_use(optimizer),
+            self.prediction_in_use,
             owned,
             optimizer,
             stage=k,
@@ -407,7 +407,7 @@ class SpecTrainStrategy(PipelineStrategyBase):
             and module.trainer.gradient_clip_algorithm in (None, "norm"),
         )
         loaded, self._loaded_state = self._loaded_state, None
-        if loaded is not None and loaded.get("prediction") == self.prediction_in_use(optimizer):
+        if loaded is not None and loaded.get("prediction") == self.prediction_in_use:
             self._noflush.load_state_dict(loaded["state"])
         if self.stages > 1:
             assert self._mirror_groups is not None
@@ -543,14 +543,14 @@ class SpecTrainStrategy(PipelineStrategyBase):
 
     @override
     def timeline_title(self) -> str:
-        optimizer = self.optimizers[0] if self.optimizers else None
-        prediction = self.prediction_in_use(optimizer)
-        return f"SpecTrain, no flush, N={self.stages}, prediction={prediction}"
+        return f"SpecTrain, no flush, N={self.stages}, prediction={self.prediction_in_use}"
 
-    def prediction_in_use(self, optimizer: torch.optim.Optimizer | None) -> str:
-        """The prediction option trained with: ``prediction``, ``"auto"`` resolved for
-        ``optimizer`` (:func:`~lightning_parallel.pipeline.noflush.default_prediction`)."""
+    @property
+    def prediction_in_use(self) -> str:
+        """The prediction option trained with: ``prediction``, ``"auto"`` resolved for the
+        optimizer (:func:`~lightning_parallel.pipeline.noflush.default_prediction`)."""
         if self.prediction == "auto":
+            optimizer = self.optimizers[0] if self.optimizers else None
             return default_prediction(optimizer, self.stages)
         return self.prediction
 
@@ -626,8 +626,7 @@ class SpecTrainStrategy(PipelineStrategyBase):
         self.drain()
         if self._noflush is None:
             return {}
-        prediction = self.prediction_in_use(self.optimizers[0] if self.optimizers else None)
-        return {"prediction": prediction, "state": self._noflush.state_dict()}
+        return {"prediction": self.prediction_in_use, "state": self._noflush.state_dict()}
 
     @override
     def load_stage_state(self, state: dict[str, Any]) -> None:

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers.codecs import make_codec
 from helpers.distributed import run_distributed
 
 pytestmark = [
@@ -24,28 +25,6 @@ pytestmark = [
 
 DETERMINISTIC = ["two_bit", "two_bit_threshold", "two_bit_blocks", "kernel_topk", "topk", "signsgd"]
 STOCHASTIC = ["qsgd", "terngrad"]
-
-
-def _codec(name: str) -> Any:
-    from lightning_parallel.compression import (
-        QSGD,
-        KernelTopK,
-        SignSGD,
-        TernGrad,
-        TopK,
-        TwoBitQuantizer,
-    )
-
-    return {
-        "two_bit": lambda: TwoBitQuantizer(),
-        "two_bit_threshold": lambda: TwoBitQuantizer(reconstruction="threshold"),
-        "two_bit_blocks": lambda: TwoBitQuantizer(block_size=512),
-        "kernel_topk": lambda: KernelTopK(conv_rate=0.1),
-        "topk": lambda: TopK(0.01),
-        "signsgd": lambda: SignSGD(),
-        "qsgd": lambda: QSGD(),
-        "terngrad": lambda: TernGrad(),
-    }[name]()
 
 
 def _gradient(name: str) -> torch.Tensor:
@@ -67,7 +46,7 @@ def _gradient(name: str) -> torch.Tensor:
 
 def _on_cuda(name: str) -> dict[str, Any]:
     """Encode and decode ``name``'s gradient on the CPU and on CUDA; return both on the CPU."""
-    codec = _codec(name)
+    codec = make_codec(name)
     gradient = _gradient(name)
     device = torch.device("cuda", 0)
     on_device = gradient.to(device)
@@ -139,7 +118,7 @@ def test_gpu_stochastic_codec_runs_on_cuda_without_host_round_trips(name: str) -
     _words, scale = result["payload"]
     assert decoded.shape == gradient.shape and torch.isfinite(decoded).all()
     # every decoded value is on the codec's grid: a whole number of steps of the scale
-    levels = _codec(name).levels if name == "qsgd" else 1
+    levels = make_codec(name).levels if name == "qsgd" else 1
     steps = decoded / (scale / levels)
     torch.testing.assert_close(steps, steps.round(), rtol=0, atol=1e-3)
     assert steps.abs().max() <= levels

@@ -43,7 +43,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_parallel.comm.devices import empty_for, to_group
+from lightning_parallel.comm.devices import to_group
 from lightning_parallel.pipeline.noflush.predictors import WeightPredictor
 from lightning_parallel.pipeline.timeline import Clock, TimelineEvent
 from lightning_parallel.pipeline.transport import StageTransport, stage_output_tensors
@@ -382,21 +382,13 @@ class NoFlushPipeline:
         downstream = 0.0
         if not self.last:
             assert self.transport is not None
-            group = self.transport.bookkeeping
-            buffer = empty_for(group, (1,), torch.float64)
-            dist.recv(buffer, src=self.transport.next_rank, group=group, tag=_NORM_BACKWARD_TAG)
-            downstream = float(buffer)
+            (downstream,) = self.transport.recv_values(
+                1, self.transport.next_rank, _NORM_BACKWARD_TAG
+            )
         suffix = own + downstream
         if not self.first:
             assert self.transport is not None
-            group = self.transport.bookkeeping
-            payload = to_group(
-                torch.tensor([suffix], dtype=torch.float64), group, point_to_point=True
-            )
-            work = dist.isend(
-                payload, dst=self.transport.previous_rank, group=group, tag=_NORM_BACKWARD_TAG
-            )
-            self.transport.pending.append((work, payload))
+            self.transport.send_values([suffix], self.transport.previous_rank, _NORM_BACKWARD_TAG)
         self._suffix[update] = suffix
         if self.first:
             self._newest_total = (update, suffix)
@@ -411,19 +403,15 @@ class NoFlushPipeline:
     def _send_total(self) -> None:
         assert self.transport is not None
         newest, total = self._newest_total
-        group = self.transport.bookkeeping
-        payload = to_group(
-            torch.tensor([float(newest), total], dtype=torch.float64), group, point_to_point=True
+        self.transport.send_values(
+            [float(newest), total], self.transport.next_rank, _NORM_FORWARD_TAG
         )
-        work = dist.isend(payload, dst=self.transport.next_rank, group=group, tag=_NORM_FORWARD_TAG)
-        self.transport.pending.append((work, payload))
 
     def _receive_total(self) -> None:
         assert self.transport is not None
-        group = self.transport.bookkeeping
-        buffer = empty_for(group, (2,), torch.float64)
-        dist.recv(buffer, src=self.transport.previous_rank, group=group, tag=_NORM_FORWARD_TAG)
-        newest, total = buffer.tolist()
+        newest, total = self.transport.recv_values(
+            2, self.transport.previous_rank, _NORM_FORWARD_TAG
+        )
         if int(newest) > self._newest_total[0]:
             self._newest_total = (int(newest), float(total))
 
