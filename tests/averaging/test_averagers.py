@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from torch import Tensor
@@ -27,6 +29,16 @@ from lightning_parallel.averaging.policies import (
 WORLD = 3
 
 
+def _per_rank(averager: Any, world: int) -> list[Any]:
+    """``averager`` and ``world - 1`` shallow copies of it: one per simulated rank."""
+    copies = [averager]
+    for _ in range(world - 1):
+        clone = type(averager).__new__(type(averager))
+        clone.__dict__.update(averager.__dict__)
+        copies.append(clone)
+    return copies
+
+
 def _replica_rounds(averager: Averager, rounds: int = 4, seed: int = 0) -> list[list[Tensor]]:
     """Simulate ``WORLD`` replicas in one process: drift, average through ``averager``, repeat.
 
@@ -35,11 +47,7 @@ def _replica_rounds(averager: Averager, rounds: int = 4, seed: int = 0) -> list[
     """
     generator = torch.Generator().manual_seed(seed)
     start = [torch.randn(4, 3, generator=generator), torch.randn(3, generator=generator)]
-    averagers = [averager]
-    for _ in range(WORLD - 1):
-        clone = type(averager).__new__(type(averager))
-        clone.__dict__.update(averager.__dict__)
-        averagers.append(clone)
+    averagers = _per_rank(averager, WORLD)
     # every simulated rank owns its averager state, as on real ranks
     for copy in averagers:
         copy.reset(start, WORLD)
@@ -172,11 +180,7 @@ def _steady_progress(averager: Averager, world: int, rounds: int = 200) -> float
     Each worker ``i`` keeps its own offset (the replicas of EASGD never agree), so the workers
     are simulated one averager copy each, as on ``world`` ranks.
     """
-    copies = [averager]
-    for _ in range(world - 1):
-        clone = type(averager).__new__(type(averager))
-        clone.__dict__.update(averager.__dict__)
-        copies.append(clone)
+    copies = _per_rank(averager, world)
     for copy in copies:
         copy.reset([torch.zeros(1, dtype=torch.float64)], world)
     replicas = [torch.full((1,), float(i), dtype=torch.float64) for i in range(world)]
