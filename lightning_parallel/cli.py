@@ -13,6 +13,7 @@ Subcommands:
   ``num_classes`` follow the data; a ``CommStats`` callback logs communication per step.
 - ``cluster``: run a command on a simulated multi-host cluster (network namespaces).
 - ``bench``: compare strategies on the simulated cluster.
+- ``codecs``: time each gradient codec's encode and decode per 10M floats, on CPU and CUDA.
 - ``strategies``: list the strategy names this package registers.
 """
 
@@ -27,9 +28,10 @@ _LIGHTNING_SUBCOMMANDS = ("fit", "validate", "test", "predict")
 _TOOLS = {
     "cluster": "lightning_parallel.cluster.command",
     "bench": "lightning_parallel.bench.command",
+    "codecs": "lightning_parallel.bench.codecs",
 }
 _USAGE = (
-    "usage: lightning-parallel {fit,validate,test,predict,cluster,bench,strategies} ...\n"
+    "usage: lightning-parallel {fit,validate,test,predict,cluster,bench,codecs,strategies} ...\n"
     "       lightning-parallel fit --help   (and likewise for every subcommand)\n"
 )
 

@@ -27,9 +27,10 @@ def _parser() -> argparse.ArgumentParser:
         prog="lightning-parallel bench",
         description=(
             "Train the same model on the same data for the same steps under each SPEC, each "
-            "on a fresh simulated cluster (network namespaces, shaped links), and compare. "
+            "on a fresh simulated cluster (network namespaces, shaped links; or, with "
+            "--network local, processes on loopback), and compare. "
             "SPEC is NAME or NAME:key=value,... (e.g. ddp_powersgd:rank=2; the option "
-            "accumulate_grad_batches goes to the run's Trainer). Needs root."
+            "accumulate_grad_batches goes to the run's Trainer). --network netns needs root."
         ),
     )
     parser.add_argument(
@@ -57,6 +58,14 @@ def _parser() -> argparse.ArgumentParser:
         help="cpu (one thread per process), or cuda: process R uses GPU R mod the GPUs "
         "visible; NCCL is kept to its socket transport so the shaped links carry its "
         "traffic, and ranks sharing a GPU use gloo on CUDA tensors",
+    )
+    parser.add_argument(
+        "--network",
+        choices=("netns", "local"),
+        default="netns",
+        help="netns: each host a network namespace behind a shaped link (root, iproute2); "
+        "local: every host's processes on this machine's loopback, unshaped, no root (times "
+        "compute; --bandwidth and --latency are ignored)",
     )
     parser.add_argument("--bandwidth", default="1gbit", help="per host and direction (tc units)")
     parser.add_argument("--latency", default="1ms", help="one-way delay per host (e.g. 1ms, 0)")
@@ -136,6 +145,7 @@ def main(argv: list[str]) -> int:
         timeout=args.timeout,
         faults=args.fault,
         memory_per_host=args.memory_per_host,
+        network=args.network,
     )
     warnings.filterwarnings("ignore", "latency .* is NOT emulated", RuntimeWarning)
     warnings.filterwarnings("ignore", "swap is not capped", RuntimeWarning)

@@ -34,9 +34,15 @@ def table(result: dict[str, Any]) -> Table:
         "" if config.get("latency_emulated", True) else " (not emulated)"
     )
     steps = f"{config['max_steps']} steps" if config.get("max_steps") else f"{config['epochs']} ep"
+    link = (
+        "loopback (unshaped)"
+        if config.get("network") == "local"
+        else f"{config['bandwidth']}, latency {latency}"
+    )
+    device = ", CUDA" if config.get("accelerator") == "cuda" else ""
     title = (
         f"{config['model']} on {config['data']}, {config['hosts']} hosts x "
-        f"{config.get('procs_per_host', 1)} procs, {config['bandwidth']}, latency {latency}, "
+        f"{config.get('procs_per_host', 1)} procs{device}, {link}, "
         f"{steps}, seed {config['seed']}"
         + (f", straggler {config['straggler']}" if config.get("straggler") else "")
         + (

@@ -13,6 +13,12 @@ For each SPEC, in order:
    the first step, see :mod:`~lightning_parallel.bench.worker`) the run has ``refused: true``
    and the reason as its error.
 
+With ``network="local"`` step 2 builds :class:`~lightning_parallel.cluster.LocalHosts` instead:
+every host is a set of plain processes of this machine on loopback, unshaped, with no root
+needed; ``wire_bytes_per_step`` is then ``null`` (loopback carries every host's traffic) and
+link faults are refused. It times compute and the strategies' own overheads where namespaces or
+``tc`` are missing (e.g. a GPU machine's image without iproute2).
+
 With ``memory_per_host`` every host of step 2 also gets a memory cgroup of that size
 (:class:`~lightning_parallel.cluster.MemoryCaps`); a run whose process the kernel killed at the
 cap is recorded with ``ok: false``, the error ``host H ran out of memory: its SIZE cap
@@ -45,6 +51,7 @@ from lightning_parallel.bench.specs import build_strategy, parse_spec, split_tra
 from lightning_parallel.cluster.cgroups import check_memory_requirements
 from lightning_parallel.cluster.faults import ProcessEnd, check_faults, parse_fault
 from lightning_parallel.cluster.launcher import ClusterRun, run_on_hosts
+from lightning_parallel.cluster.local import UNSHAPED, LocalHosts, free_port
 from lightning_parallel.cluster.memory import MemoryCaps
 from lightning_parallel.cluster.network import SimulatedNetwork, check_requirements
 from lightning_parallel.cluster.units import (
@@ -82,11 +89,19 @@ class BenchConfig:
     timeout: float = 900.0
     faults: list[str] = field(default_factory=list)
     memory_per_host: int | None = None
+    network: str = "netns"
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the fix for any inconsistent setting."""
         if self.hosts < 1 or self.procs_per_host < 1:
             raise ValueError("hosts and procs_per_host must be >= 1")
+        if self.network not in NETWORKS:
+            raise ValueError(f"network must be one of {', '.join(NETWORKS)}, got {self.network!r}")
+        if self.network == "local" and any(parse_fault(f).kind == "link" for f in self.faults):
+            raise ValueError(
+                "a link fault needs --network netns: loopback hosts share one link (kill and "
+                "freeze faults work on --network local)"
+            )
         if self.accelerator not in ("cpu", "cuda"):
             raise ValueError(f"accelerator must be 'cpu' or 'cuda', got {self.accelerator!r}")
         if (self.max_steps is None) == (self.epochs is None):
@@ -262,6 +277,7 @@ def _worker_command(spec: str, config: BenchConfig, output: Path) -> list[str]:
 # seconds of silence past the strategy's timeout after which a survivor of a fault counts as
 # hung: the bar is timeout + 30 s; waiting 30 s more shows by how much a late rank misses it
 HANG_MARGIN_S = 60.0
+NETWORKS = ("netns", "local")  # simulated hosts behind shaped links, or processes on loopback
 # with faults, each rank prints a progress line this often: a rank that goes on without the
 # lost one is seen to work
 PROGRESS_EVERY_S = 10.0
@@ -379,7 +395,11 @@ def run_spec(spec: str, config: BenchConfig, log_dir: Path) -> dict[str, Any]:
         faults = [parse_fault(text) for text in config.faults]
         timeout_s = spec_timeout_s(spec)
         with (
-            SimulatedNetwork(config.hosts, config.bandwidth, config.latency) as network,
+            (
+                SimulatedNetwork(config.hosts, config.bandwidth, config.latency)
+                if config.network == "netns"
+                else LocalHosts(config.hosts)
+            ) as network,
             (
                 MemoryCaps(network.prefix, config.hosts, config.memory_per_host)
                 if config.memory_per_host is not None
@@ -396,6 +416,7 @@ def run_spec(spec: str, config: BenchConfig, log_dir: Path) -> dict[str, Any]:
                 faults=faults,
                 hang_after=timeout_s + HANG_MARGIN_S if faults else None,
                 memory=memory,
+                master_port=29500 if config.network == "netns" else free_port(),
             )
             latency_emulated = network.latency_emulated
         records = [json.loads(path.read_text()) for path in sorted(output.glob("rank*.json"))]
@@ -460,7 +481,8 @@ def run_benchmark(
         raise ValueError("--accelerator cuda: this machine has no CUDA device; use cpu")
     if not specs:
         raise ValueError("give at least one SPEC, e.g. -s ddp")
-    check_requirements()
+    if config.network == "netns":
+        check_requirements()
     if config.memory_per_host is not None:
         check_memory_requirements()
     log_dir = log_dir or Path(tempfile.mkdtemp(prefix="lightning-parallel-bench-"))
@@ -468,7 +490,8 @@ def run_benchmark(
     say = progress or (lambda line: None)
     runs = []
     for index, spec in enumerate(specs, 1):
-        say(f"[{index}/{len(specs)}] {spec}: training on {config.hosts} simulated hosts ...")
+        where = "simulated" if config.network == "netns" else "loopback"
+        say(f"[{index}/{len(specs)}] {spec}: training on {config.hosts} {where} hosts ...")
         run = run_spec(spec, config, log_dir)
         verdict = "REFUSED" if run.get("refused") else "FAILED"
         first = (str(run["error"]).strip().splitlines() or [""])[0][:200]
@@ -489,6 +512,8 @@ def run_benchmark(
         "lightning": pytorch_lightning.__version__,
         "cores": _cores(),
     }
+    if config.network == "local":
+        described.update(bandwidth=UNSHAPED, latency="0")
     described.update({k: v for k, v in settings.items() if k not in described})
     described["latency_emulated"] = all(
         r["extra"].get("latency_emulated", True) for r in runs if r["ok"]

@@ -10,6 +10,7 @@ from lightning_parallel.cluster.launcher import (
     interrupt_on_signals,
     run_on_hosts,
 )
+from lightning_parallel.cluster.local import LocalHosts, free_port
 from lightning_parallel.cluster.memory import MemoryCaps, OutOfMemory
 from lightning_parallel.cluster.network import (
     ClusterError,
@@ -35,6 +36,7 @@ __all__ = [
     "ClusterInterrupted",
     "ClusterRun",
     "Host",
+    "LocalHosts",
     "MemoryCaps",
     "OutOfMemory",
     "SimulatedNetwork",
@@ -43,6 +45,7 @@ __all__ = [
     "detect_hierarchy",
     "format_bandwidth",
     "format_memory_size",
+    "free_port",
     "interrupt_on_signals",
     "leftovers",
     "memory_unavailable_reason",

@@ -43,11 +43,13 @@ from types import FrameType
 from typing import IO, TextIO
 
 from lightning_parallel.cluster.faults import AppliedFault, Fault, ProcessEnd, check_faults
+from lightning_parallel.cluster.local import LocalHosts
 from lightning_parallel.cluster.memory import MemoryCaps, OutOfMemory
 from lightning_parallel.cluster.network import Host, SimulatedNetwork
 
 __all__: list[str] = []
 
+Hosts = SimulatedNetwork | LocalHosts  # where the processes run: namespaces, or loopback
 STRAGGLER_ENV = "LP_STRAGGLER"
 INTERFACE_ENV = "LP_CLUSTER_INTERFACE"
 TIMEOUT_EXIT_CODE = 124
@@ -80,7 +82,7 @@ def interrupt_on_signals() -> Iterator[None]:
 
 
 def cluster_environment(
-    network: SimulatedNetwork,
+    network: Hosts,
     host: Host,
     local_rank: int,
     procs_per_host: int = 1,
@@ -101,7 +103,8 @@ def cluster_environment(
         "OMP_NUM_THREADS": str(threads),
         "MKL_NUM_THREADS": str(threads),
         "PYTHONUNBUFFERED": "1",
-        INTERFACE_ENV: host.interface,
+        # the interface whose counter is the host's traffic: none on loopback, which all share
+        INTERFACE_ENV: host.interface if network.shaped else "",
         "LP_CLUSTER_HOSTS": str(len(network.hosts)),
         "LP_CLUSTER_PROCS_PER_HOST": str(procs_per_host),
         "LP_CLUSTER_BANDWIDTH": network.bandwidth,
@@ -200,7 +203,7 @@ def _stop(processes: list[_Process], grace: float) -> None:
 
 
 def run_on_hosts(
-    network: SimulatedNetwork,
+    network: Hosts,
     command: Sequence[str],
     procs_per_host: int = 1,
     extra_env: Mapping[str, str] | None = None,
@@ -219,7 +222,7 @@ def run_on_hosts(
     """Run ``command`` once per process slot of every host and wait for all of them.
 
     Args:
-        network: a created :class:`SimulatedNetwork`.
+        network: a created :class:`SimulatedNetwork`, or :class:`LocalHosts` (loopback).
         command: argv of the command each process runs.
         procs_per_host: processes per host (``LOCAL_RANK`` 0..K-1).
         extra_env: more environment variables for every process.
@@ -290,7 +293,7 @@ def run_on_hosts(
         _stop(processes, grace)
 
 
-def _orphans(network: SimulatedNetwork, processes: list[_Process]) -> list[int]:
+def _orphans(network: Hosts, processes: list[_Process]) -> list[int]:
     """Processes left in the namespaces once every started process ended (none expected)."""
     _stop(processes, grace=0.0)  # faulted (frozen) processes are killed first
     started = {p.popen.pid for p in processes}
@@ -318,7 +321,7 @@ class _FaultyRun:
 
     def __init__(
         self,
-        network: SimulatedNetwork,
+        network: Hosts,
         processes: list[_Process],
         faults: Sequence[Fault],
         timeout: float | None,

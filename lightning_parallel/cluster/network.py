@@ -213,6 +213,8 @@ class SimulatedNetwork:
             subprocess.run(network.exec_argv(network.hosts[0], ["hostname", "-I"]))
     """
 
+    shaped = True  # links shaped by tc; each host's traffic counted on its bridge port
+
     def __init__(
         self, hosts: int, bandwidth: str = "1gbit", latency: str = "0", subnet: str | None = None
     ) -> None:
