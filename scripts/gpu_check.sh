@@ -7,11 +7,18 @@
 #   bash scripts/gpu_check.sh bench    # step time and samples/s of six strategies on CUDA
 #   bash scripts/gpu_check.sh tests codecs   # several, in turn
 #
+# On a machine lent for 10 minutes a command, run them as four commands:
+#   GPU_TESTS='not resume' bash scripts/gpu_check.sh tests    # 11 fits, 8 codec checks
+#   GPU_TESTS=resume bash scripts/gpu_check.sh tests codecs   # 5 fit-and-resume, the codecs
+#   bash scripts/gpu_check.sh bench                           # six strategies on vgg_mini
+#   BENCH_MODELS=resnet18 bash scripts/gpu_check.sh bench     # the same six on resnet18
+# (GPU_TESTS is pytest's -k expression within the gpu tests.)
+#
 # Results (at most 8 files: logs and JSON) go to $OUT, or to ./gpu-results when OUT is unset.
 # The bench runs its hosts on loopback (--network local: unshaped, so it times the GPU's
 # compute and each strategy's own overheads); BENCH_NETWORK=netns puts them behind shaped links
 # instead (root, ip and tc needed). BENCH_STEPS and BENCH_MODELS override the steps per run
-# (default 300) and the models (default "vgg_mini resnet18"); BENCH_PLOT=1 also draws PNGs.
+# (default 200) and the models (default vgg_mini); BENCH_PLOT=1 also draws PNGs.
 # ACCELERATOR=cpu (bench on the CPU) and CODEC_DEVICES=cpu rehearse the script without a GPU.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -36,8 +43,10 @@ EOF
 }
 
 run_tests() {
-  "$PYTHON" -m pytest -m gpu -p no:cacheprovider -v -rs 2>&1 | tee "$OUT/gpu_tests.log" \
-    || status=1
+  local select=()
+  [ -n "${GPU_TESTS:-}" ] && select=(-k "$GPU_TESTS")
+  "$PYTHON" -m pytest -m gpu "${select[@]}" -p no:cacheprovider -v -rs 2>&1 \
+    | tee "$OUT/gpu_tests.log" || status=1
 }
 
 run_codecs() {
@@ -49,11 +58,11 @@ run_codecs() {
 
 run_bench() {
   local model plot=()
-  for model in ${BENCH_MODELS:-vgg_mini resnet18}; do
+  for model in ${BENCH_MODELS:-vgg_mini}; do
     [ "${BENCH_PLOT:-0}" = 1 ] && plot=(--plot "$OUT/bench_$model.png")
     "$PYTHON" -m lightning_parallel.cli bench --accelerator "${ACCELERATOR:-cuda}" \
       --network "${BENCH_NETWORK:-local}" --bandwidth 10gbit --latency 0 --hosts 2 \
-      --model "$model" --max-steps "${BENCH_STEPS:-300}" --timeout 300 \
+      --model "$model" --max-steps "${BENCH_STEPS:-200}" --timeout 300 \
       -s ddp -s hylo -s model_averaging -s parameter_server \
       -s gropipe:stages=2 -s spectrain:stages=2 \
       --json "$OUT/bench_$model.json" "${plot[@]}" --log-dir "/tmp/lp-gpu-bench-$model" \

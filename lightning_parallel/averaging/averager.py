@@ -6,6 +6,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
+import torch
 from torch import Tensor
 
 __all__: list[str] = []
@@ -57,8 +58,17 @@ class Averager(ABC):
         return {"world_size": self.world_size}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned."""
+        """Restore what :meth:`state_dict` returned (its tensors may be on the CPU)."""
         self.world_size = state.get("world_size")
+
+    def to(self, device: torch.device) -> None:  # noqa: B027 (optional hook)
+        """Move the state to ``device``, the model's (a checkpoint is loaded onto the CPU, the
+        model may live on a GPU). Nothing to move here; subclasses with tensors move them."""
+
+
+def move_all(tensors: Sequence[Tensor], device: torch.device) -> list[Tensor]:
+    """``tensors`` on ``device`` (the same tensors where they are there already)."""
+    return [tensor.to(device) for tensor in tensors]
 
 
 def clone_all(tensors: Sequence[Tensor]) -> list[Tensor]:

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_parallel.averaging.averager import Averager, clone_all
+from lightning_parallel.averaging.averager import Averager, clone_all, move_all
 
 __all__: list[str] = []
 
@@ -129,3 +129,7 @@ class BlockMomentumAverager(Averager):
         super().load_state_dict(state)
         self.global_model = clone_all(state["global_model"])
         self.block_momentum_buffer = clone_all(state["block_momentum"])
+
+    def to(self, device: torch.device) -> None:
+        self.global_model = move_all(self.global_model, device)
+        self.block_momentum_buffer = move_all(self.block_momentum_buffer, device)

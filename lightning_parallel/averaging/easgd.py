@@ -8,7 +8,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from lightning_parallel.averaging.averager import Averager, clone_all
+from lightning_parallel.averaging.averager import Averager, clone_all, move_all
 
 __all__: list[str] = []
 
@@ -93,3 +93,6 @@ class ElasticAverager(Averager):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self.center = clone_all(state["center"])
+
+    def to(self, device: torch.device) -> None:
+        self.center = move_all(self.center, device)

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_parallel.averaging.averager import Averager, clone_all
+from lightning_parallel.averaging.averager import Averager, clone_all, move_all
 
 __all__: list[str] = []
 
@@ -105,6 +105,17 @@ class OuterOptimizerAverager(Averager):
         self.optimizer = self._build_optimizer()
         if state.get("outer_optimizer") is not None:
             self.optimizer.load_state_dict(state["outer_optimizer"])
+
+    def to(self, device: torch.device) -> None:
+        """Move the global model and rebuild the outer optimizer over it; the optimizer's state
+        follows its parameters' device (``Optimizer.load_state_dict`` casts it)."""
+        if all(tensor.device == device for tensor in self.global_model):
+            return
+        saved = self.optimizer.state_dict() if self.optimizer is not None else None
+        self.global_model = move_all(self.global_model, device)
+        if saved is not None:
+            self.optimizer = self._build_optimizer()
+            self.optimizer.load_state_dict(saved)
 
 
 def diloco_outer_optimizer(

@@ -438,8 +438,13 @@ class ReplicaAveraging:
         self.schedule.load_state_dict(state["schedule"])
         if state.get("averager") is not None:
             self.averager.load_state_dict(state["averager"])
+            self.averager.to(self._device())
         self._round_due = bool(state.get("round_due", False))
         self._in_consensus = bool(state.get("in_consensus", False))
+
+    def _device(self) -> torch.device:
+        """The model's device (its first parameter's; the CPU for a model without any)."""
+        return next(self.module.parameters(), torch.empty(0)).device
 
     def local_state_dict(self) -> dict[str, Any]:
         """This rank's own state: its replica, its optimizers' state and the round in flight."""
@@ -469,11 +474,13 @@ class ReplicaAveraging:
         pending = state.get("pending_round")
         self._round = None
         if pending is not None:
-            snapshot = list(pending["snapshot"])
+            # the replica file was loaded onto the CPU; the round's tensors live with the model
+            device = self._device()
+            snapshot = [tensor.to(device) for tensor in pending["snapshot"]]
             self._round = _Round(
                 snapshot=snapshot,
                 layout=FlatLayout(snapshot),
-                sums=list(pending["sums"]),
+                sums=[tensor.to(device) for tensor in pending["sums"]],
                 work=None,
                 num_parameters=int(pending["num_parameters"]),
                 started_at=int(pending["started_at"]),

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -107,17 +108,27 @@ def _chunk_scales(codec: TwoBitQuantizer, scales: Tensor, world: int, chunk: int
     return padded.view(world, per_chunk)
 
 
-class _Clock:
-    """Accumulate seconds per (layer, phase)."""
+def _no_sync() -> None:
+    return None
 
-    def __init__(self, reports: dict[str, LayerReport]) -> None:
+
+class _Clock:
+    """Accumulate seconds per (layer, phase); ``sync`` waits for the device's queued work
+    before each reading (CUDA runs kernels after their launch returns)."""
+
+    def __init__(
+        self, reports: dict[str, LayerReport], sync: Callable[[], None] = _no_sync
+    ) -> None:
         self.reports = reports
+        self.sync = sync
         self._start = 0.0
 
     def start(self) -> None:
+        self.sync()
         self._start = time.perf_counter()
 
     def lap(self, name: str, phase: str) -> None:
+        self.sync()
         now = time.perf_counter()
         report = self.reports[name]
         if phase == "encode":
@@ -191,6 +202,9 @@ class HyloExchange:
         self.importance_dtype = importance_dtype
         self.group = group
         self.last_wait_seconds = 0.0
+        # time the device's work, not its launches: on CUDA every clock reading and wait then
+        # synchronises the device (the hook sets it on its calibration steps only)
+        self.synchronize = False
         self._workspaces: dict[str, Tensor] = {}
 
     def _workspace(self, key: str, like: Tensor) -> Tensor:
@@ -230,7 +244,11 @@ class HyloExchange:
             reports[layer.plan.name].dense_bytes = ring_allreduce_bytes(
                 layer.gradient.numel() * layer.gradient.element_size(), world
             )
-        clock = _Clock(reports)
+        sync = _no_sync
+        if self.synchronize and layers and layers[0].gradient.is_cuda:
+            device = layers[0].gradient.device
+            sync = lambda: torch.cuda.synchronize(device)  # noqa: E731
+        clock = _Clock(reports, sync)
         routes: dict[str, list[LayerGradient]] = {DENSE: [], KERNEL: [], TWO_BIT: [], GATHER: []}
         for layer in layers:
             route = layer.plan.route
@@ -246,6 +264,7 @@ class HyloExchange:
         started = time.perf_counter()
         for work in works:
             work.wait()
+        sync()  # an NCCL wait returns once the work is queued on the stream
         waited = time.perf_counter() - started
 
         # Round 2: dense + selected kernels (allreduce), re-quantized chunks (allgather).
@@ -256,6 +275,7 @@ class HyloExchange:
         started = time.perf_counter()
         for work in works:
             work.wait()
+        sync()
         self.last_wait_seconds = waited + time.perf_counter() - started
 
         self._write_dense(dense_round, clock)

@@ -15,7 +15,9 @@ backward pass. The hook:
    returned with the averaged buffer, which DDP copies into ``param.grad`` once the backward
    pass is over;
 5. on the first ``calibration_steps`` compressed steps times each layer's encode and decode
-   and the link (bytes sent over seconds waited in collectives), from which the
+   and the link (bytes sent over seconds waited in collectives; on CUDA the device is
+   synchronised around each timed part on these steps, so the times are the kernels' and the
+   transfers', not their launches), from which the
    :class:`~lightning_parallel.compression.CostModel` decides, identically on every rank,
    which layers go back to the dense allreduce (their residuals are flushed into it).
 
@@ -202,6 +204,8 @@ class HyloHook:
         world = dist.get_world_size(self.process_group)
         compressed = any(layer.plan.compressed for layer in layers)
         if self.compressing and compressed:
+            # the cost model needs the device's times, not the launches': CUDA synchronises then
+            self.exchange.synchronize = self._calibrating()
             reports = self.exchange.average(layers)
             self.reports.update(reports)
             if self._calibrating():

@@ -68,7 +68,9 @@ class _LinearInputGradient(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> Any:
         x, weight = ctx.saved_tensors
-        grad_input = grad_output.matmul(weight) if ctx.needs_input_grad[0] else None
+        grad_input = None
+        if ctx.needs_input_grad[0]:  # in x's dtype, whatever autocast did in the forward
+            grad_input = grad_output.matmul(weight.to(grad_output.dtype)).to(x.dtype)
         if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
             ctx.layer.pending.append((x.detach(), grad_output.detach()))
         return grad_input, None, None, None

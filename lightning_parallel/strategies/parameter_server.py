@@ -48,6 +48,7 @@ from typing import Any, Literal, TypeVar
 
 import pytorch_lightning as pl
 import torch
+import torch.distributed as dist
 from pytorch_lightning.callbacks import Callback, ModelCheckpoint, Timer
 from pytorch_lightning.trainer.states import RunningStage, TrainerFn
 from pytorch_lightning.utilities.exceptions import SIGTERMException
@@ -87,6 +88,26 @@ log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
 
+_CONTINUE_NEEDS_GLOO = (
+    "worker_loss='continue' needs a gloo default process group: an NCCL communicator does not "
+    "survive a lost peer, so Lightning's collectives could not go on among the survivors; use "
+    "worker_loss='stop' (the default over NCCL) or process_group_backend='gloo'"
+)
+
+
+def resolve_worker_loss(setting: str | None, backend: str) -> str:
+    """``setting``, or the default for the default group's ``backend``: ``"stop"`` where NCCL
+    carries it (``"nccl"``, ``"cpu:gloo,cuda:nccl"``), else ``"continue"``.
+
+    Raises:
+        ValueError: ``"continue"`` asked for over NCCL.
+    """
+    nccl = "nccl" in str(backend)
+    if setting == "continue" and nccl:
+        raise ValueError(_CONTINUE_NEEDS_GLOO)
+    return setting or ("stop" if nccl else "continue")
+
+
 class ParameterServerStrategy(ParallelStrategyBase):
     """Train asynchronously against a parameter server with staleness control.
 
@@ -117,9 +138,12 @@ class ParameterServerStrategy(ParallelStrategyBase):
         server_rank: global rank hosting the first shard (default 0; shard k is on
             ``(server_rank + k) % world_size``).
         shards: number of server shards (default 1), each owning whole parameters.
-        worker_loss: what a lost worker does to the run (step 5 above): ``"continue"``
-            (default) goes on without it; ``"stop"`` ends the run on every rank with
-            :class:`~lightning_parallel.parameter_server.WorkerFailure` naming it.
+        worker_loss: what a lost worker does to the run (step 5 above): ``"continue"`` goes on
+            without it; ``"stop"`` ends the run on every rank with
+            :class:`~lightning_parallel.parameter_server.WorkerFailure` naming it. Default
+            ``None``: ``"continue"`` over a gloo default group, ``"stop"`` over NCCL (an NCCL
+            communicator does not survive a lost peer: Lightning's collectives could not go on
+            among the survivors), where ``"continue"`` is refused.
         heartbeat_timeout: seconds of heartbeat silence after which a worker counts as lost
             (default: half of ``timeout``, at most 60); a worker whose process dies is detected
             at once. Must be shorter than ``timeout``, so that a frozen worker is declared lost
@@ -151,7 +175,7 @@ class ParameterServerStrategy(ParallelStrategyBase):
         staleness_decay: float = 0.5,
         server_rank: int = 0,
         shards: int = 1,
-        worker_loss: Literal["continue", "stop"] = "continue",
+        worker_loss: Literal["continue", "stop"] | None = None,
         heartbeat_timeout: float | None = None,
         timeout: timedelta | None = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
@@ -175,8 +199,10 @@ class ParameterServerStrategy(ParallelStrategyBase):
             raise ValueError(f"server_rank must be a global rank >= 0, got {server_rank!r}")
         if int(shards) != shards or shards < 1:
             raise ValueError(f"shards must be an integer >= 1, got {shards!r}")
-        if worker_loss not in ("continue", "stop"):
+        if worker_loss not in ("continue", "stop", None):
             raise ValueError(f"worker_loss must be 'continue' or 'stop', got {worker_loss!r}")
+        if worker_loss == "continue" and kwargs.get("process_group_backend") == "nccl":
+            raise ValueError(_CONTINUE_NEEDS_GLOO)
         if heartbeat_timeout is not None and (
             isinstance(heartbeat_timeout, bool) or not float(heartbeat_timeout) > 0
         ):
@@ -188,7 +214,8 @@ class ParameterServerStrategy(ParallelStrategyBase):
         )
         self.server_rank = int(server_rank)
         self.shards = int(shards)
-        self.worker_loss = worker_loss
+        self.worker_loss_setting = worker_loss
+        self.worker_loss: str = worker_loss or "continue"  # resolved at setup (the backend)
         limit = self.collective_timeout.total_seconds()
         if heartbeat_timeout is None:
             heartbeat_timeout = min(60.0, limit / 2)
@@ -235,6 +262,7 @@ class ParameterServerStrategy(ParallelStrategyBase):
             self._start(trainer)
 
     def _check_configuration(self, trainer: pl.Trainer) -> None:
+        self.worker_loss = resolve_worker_loss(self.worker_loss_setting, dist.get_backend())
         module = trainer.lightning_module
         if not module.automatic_optimization:
             raise ValueError(

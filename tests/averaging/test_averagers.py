@@ -240,15 +240,16 @@ def test_easgd_center_first_alpha_beta_one_equals_periodic() -> None:
             assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize(
-    "make",
-    [
-        lambda: BlockMomentumAverager(block_momentum=0.6, nesterov=True),
-        lambda: ElasticAverager(beta=0.9),
-        lambda: OuterOptimizerAverager(diloco_outer_optimizer()),
-        lambda: OuterOptimizerAverager(lambda p: torch.optim.Adam(p, lr=0.1)),
-    ],
-)
+# averagers with state (a global model, momentum, a center, an outer optimizer), built fresh
+STATEFUL = [
+    lambda: BlockMomentumAverager(block_momentum=0.6, nesterov=True),
+    lambda: ElasticAverager(beta=0.9),
+    lambda: OuterOptimizerAverager(diloco_outer_optimizer()),
+    lambda: OuterOptimizerAverager(lambda p: torch.optim.Adam(p, lr=0.1)),
+]
+
+
+@pytest.mark.parametrize("make", STATEFUL)
 def test_state_dict_round_trip_continues_exactly(make) -> None:  # type: ignore[no-untyped-def]
     generator = torch.Generator().manual_seed(1)
     inputs = [
@@ -353,3 +354,26 @@ def test_policies_pick_floating_buffers_and_state() -> None:
     assert len(tensors) == 2 * 4  # exp_avg and exp_avg_sq of 4 parameters, no step scalar
     reset_optimizer_state([optimizer])
     assert not optimizer.state
+
+
+@pytest.mark.parametrize("make", STATEFUL)
+def test_state_loaded_onto_the_cpu_moves_to_the_models_device(make) -> None:  # type: ignore[no-untyped-def]
+    """A checkpoint is loaded onto the CPU while the model may live on a GPU: ``to`` moves the
+    state there. ``meta`` stands for the other device: mixing it with the CPU raises as CUDA
+    does."""
+    saved = make()
+    saved.reset([torch.zeros(4)], 2)
+    saved.update([torch.ones(4)], [torch.full((4,), 0.5)])
+    meta = [torch.ones(4, device="meta")]
+    stale = make()
+    stale.load_state_dict(saved.state_dict())
+    with pytest.raises(RuntimeError, match="device"):
+        stale.update(meta, meta)
+    moved = make()
+    moved.load_state_dict(saved.state_dict())
+    moved.to(torch.device("meta"))
+    assert moved.update(meta, meta)[0].device.type == "meta"
+    if isinstance(moved, OuterOptimizerAverager):  # the optimizer state followed its tensors
+        assert moved.optimizer is not None
+        for state in moved.optimizer.state.values():
+            assert all(v.device.type == "meta" for k, v in state.items() if k != "step")

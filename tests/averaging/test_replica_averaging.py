@@ -353,3 +353,39 @@ def test_a_dead_peer_makes_the_round_raise_not_hang(overlap: bool) -> None:
 
     with pytest.raises(RuntimeError, match="rank 0 failed"):
         run_distributed(run, 2, timeout=60)
+
+
+def _resume_on_meta(rank: int, world: int) -> set[str]:
+    """Load a CPU checkpoint into an engine whose model lives on ``meta``; the devices of the
+    averager's state and of the pending round afterwards."""
+    source = _model()
+    optimizer = torch.optim.SGD(source.parameters(), lr=0.1, momentum=0.9)
+    averager = BlockMomentumAverager(block_momentum=0.5)
+    averager.reset([p.detach() for p in source.parameters()], 2)
+    parameters = [p.detach().clone() for p in source.parameters()]
+    local = {
+        "model": source.state_dict(),
+        "optimizers": [optimizer.state_dict()],
+        "pending_round": {
+            "snapshot": parameters,
+            "sums": [torch.cat([p.reshape(-1) for p in parameters])],
+            "num_parameters": len(parameters),
+            "started_at": 3,
+        },
+    }
+    shared = {"schedule": AveragingSchedule(3, 1).state_dict(), "averager": averager.state_dict()}
+    model = _model().to("meta")
+    meta_optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    engine = _engine(model, meta_optimizer, BlockMomentumAverager(block_momentum=0.5), 3, 1)
+    engine.load_state_dict(shared)
+    engine.load_local_state_dict(local)
+    state = engine.averager.state_dict()
+    pending = engine.local_state_dict()["pending_round"]
+    tensors = [*state["global_model"], *state["block_momentum"], *pending["snapshot"]]
+    return {t.device.type for t in [*tensors, *pending["sums"]]}
+
+
+def test_a_resume_puts_the_averager_and_the_pending_round_on_the_models_device() -> None:
+    """The checkpoint and the replica file are loaded onto the CPU; the model here lives on
+    ``meta`` (standing for a GPU): the averager's state and the round in flight move to it."""
+    assert run_distributed(_resume_on_meta, 1) == [{"meta"}]

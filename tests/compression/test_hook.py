@@ -160,6 +160,14 @@ def _cost_model(rank: int, world: int, bandwidth: float) -> dict[str, Any]:
         ddp.module.named_parameters(), _policy(), 1, cost_model=cost, calibration_steps=2
     )
     hook.register(ddp)
+    synchronized: list[bool] = []  # per exchange: whether it timed the device's work (CUDA)
+    average = hook.exchange.average
+
+    def recording(layers: Any) -> Any:
+        synchronized.append(hook.exchange.synchronize)
+        return average(layers)
+
+    hook.exchange.average = recording  # type: ignore[method-assign]
     local = copy.deepcopy(ddp.module)
     sent = [torch.zeros_like(p) for p in ddp.module.parameters()]
     true = [torch.zeros_like(p) for p in ddp.module.parameters()]
@@ -178,6 +186,7 @@ def _cost_model(rank: int, world: int, bandwidth: float) -> dict[str, Any]:
         "residuals": sorted(hook.memory) + sorted(hook.server_memory),
         "sent": sent,
         "true": true,
+        "synchronized": synchronized,
     }
 
 
@@ -194,6 +203,10 @@ def test_cost_model_keeps_layers_uncompressed_when_the_link_is_fast() -> None:
     for sent, true in zip(fast[0]["sent"], fast[0]["true"]):
         torch.testing.assert_close(sent, true, rtol=1e-5, atol=1e-6)
     assert slow[0]["compress"] == {"0.weight": True, "3.weight": True}
+    # the two calibration steps time the device's work (synchronising on CUDA); later ones not
+    calibrating = len(fast[0]["synchronized"])  # 2 steps of every compressed bucket
+    assert calibrating >= 2 and fast[0]["synchronized"] == [True] * calibrating
+    assert slow[0]["synchronized"] == [True] * calibrating + [False] * calibrating
     assert slow[0]["routes"]["0.weight"] == "kernel" and slow[0]["routes"]["3.weight"] == "two_bit"
 
 

@@ -59,6 +59,10 @@ def _strategy(family: str, where: dict[str, Any]) -> tuple[Any, dict[str, Any], 
         return GroPipeStrategy(stages=2, micro_batches=2, **common), {"gradient_clip_val": 1.0}, []
     if family == "spectrain":
         return SpecTrainStrategy(stages=2, **common), {"gradient_clip_val": 1.0}, []
+    if family == "model_averaging_overlap":  # a round in flight across steps
+        from lightning_parallel.strategies.model_averaging import ModelAveragingStrategy
+
+        return ModelAveragingStrategy(period=2, overlap=True, **common), {}, []
     if family.startswith("preset:"):  # model_averaging and its registered presets
         entry = StrategyRegistry[family.removeprefix("preset:")]
         options = {**entry["init_params"], "period": 2, **common}
@@ -81,8 +85,16 @@ FAMILIES = [
 ]
 
 
-def fit(family: str, folder: Path, accelerator: str, where: dict[str, Any]) -> pl.Trainer:
-    """Fit ``family`` on ``where``'s devices (``placement()`` on CUDA) with a checkpoint."""
+def fit(
+    family: str,
+    folder: Path,
+    accelerator: str,
+    where: dict[str, Any],
+    max_epochs: int = 1,
+    ckpt_path: str | None = None,
+) -> pl.Trainer:
+    """Fit ``family`` on ``where``'s devices (``placement()`` on CUDA) with a checkpoint, or
+    resume it from ``ckpt_path``."""
     import lightning_parallel  # noqa: F401  (registers the strategy names)
 
     strategy, options, callbacks = _strategy(family, where)
@@ -90,7 +102,7 @@ def fit(family: str, folder: Path, accelerator: str, where: dict[str, Any]) -> p
         accelerator=accelerator,
         devices=len(set(where["parallel_devices"])),
         strategy=strategy,
-        max_epochs=1,
+        max_epochs=max_epochs,
         limit_train_batches=6,
         limit_val_batches=2,
         num_sanity_val_steps=0,
@@ -105,6 +117,7 @@ def fit(family: str, folder: Path, accelerator: str, where: dict[str, Any]) -> p
         ConvBatchNormNet(channels=8, hidden=64, device_type=accelerator),
         image_loader(128, 16),
         image_loader(128, 16),
+        ckpt_path=ckpt_path,
     )
     return trainer
 
@@ -115,3 +128,21 @@ def test_gpu_fit(family: str, tmp_path: Path) -> None:
     assert trainer.state.finished
     assert (tmp_path / "last.ckpt").is_file()
     assert math.isfinite(float(trainer.callback_metrics["val_loss"]))
+
+
+RESUMED = ["preset:bmuf", "preset:easgd", "preset:diloco", "model_averaging_overlap", "hylo"]
+
+
+@pytest.mark.parametrize("family", RESUMED)
+def test_gpu_resume(family: str, tmp_path: Path) -> None:
+    """A checkpoint is loaded onto the CPU: the averagers' state (global model, momentum,
+    center, outer optimizer), a round in flight and Hylo's residuals must move back to the GPU
+    and training go on."""
+    fit(family, tmp_path, "cuda", placement())
+    resumed = fit(family, tmp_path / "resumed", "cuda", placement(), 2, str(tmp_path / "last.ckpt"))
+    assert resumed.state.finished
+    assert math.isfinite(float(resumed.callback_metrics["val_loss"]))
+    # the spawned ranks trained the second epoch: 128 samples, 2 ranks, batches of 16 make 4
+    # optimizer steps an epoch, 8 in all
+    saved = torch.load(tmp_path / "resumed" / "last.ckpt", map_location="cpu", weights_only=False)
+    assert (saved["epoch"], saved["global_step"]) == (1, 8)

@@ -259,3 +259,24 @@ def test_deferred_weight_gradients_are_the_same_sum_computed_once() -> None:
     assert not layers[0].pending
     restore_linear(deferred, replaced)
     assert type(deferred[0]) is nn.Linear and deferred[0].weight is layers[0].weight
+
+
+def test_deferred_weight_gradients_take_an_autocast_forwards_dtypes() -> None:
+    """Forward under bf16 autocast, backward outside it (as a pipeline stage runs them): the
+    input gradient comes back in the input's dtype and equals plain autograd's."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(8, 4))
+    deferred = copy.deepcopy(plain)
+    convert_deferred_weight_gradients(deferred)
+    x = torch.randn(6, 8)
+    inputs = [x.clone().requires_grad_(), x.clone().requires_grad_()]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        reference = plain(inputs[0])
+        with deferring_weight_gradients():  # forwards in the block defer
+            output = deferred(inputs[1])
+    reference.float().square().sum().backward()
+    output.float().square().sum().backward()
+    flush_weight_gradients(deferred_linears(deferred))
+    assert inputs[1].grad is not None and inputs[1].grad.dtype == torch.float32
+    torch.testing.assert_close(inputs[1].grad, inputs[0].grad)
+    torch.testing.assert_close(deferred[0].weight.grad, plain[0].weight.grad)

@@ -18,7 +18,10 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_parallel.callbacks import CommStats
 from lightning_parallel.comm.ledger import process_ledger
-from lightning_parallel.strategies.parameter_server import ParameterServerStrategy
+from lightning_parallel.strategies.parameter_server import (
+    ParameterServerStrategy,
+    resolve_worker_loss,
+)
 
 
 class _Tiny(LightningModule):
@@ -226,6 +229,18 @@ def test_bad_arguments_name_the_fix():
         ParameterServerStrategy(shards=0)
     with pytest.raises(ValueError, match="start_method must be one of"):
         ParameterServerStrategy(start_method="thread")
+    with pytest.raises(ValueError, match="worker_loss='continue' needs a gloo default"):
+        ParameterServerStrategy(worker_loss="continue", process_group_backend="nccl")
+
+
+def test_a_lost_worker_stops_the_run_by_default_over_nccl_and_continue_is_refused_there():
+    # an NCCL communicator does not survive a lost peer: stop, unless gloo carries the group
+    assert resolve_worker_loss(None, "gloo") == "continue"
+    assert resolve_worker_loss(None, "nccl") == "stop"
+    assert resolve_worker_loss(None, "cpu:gloo,cuda:nccl") == "stop"
+    assert resolve_worker_loss("stop", "gloo") == "stop"
+    with pytest.raises(ValueError, match="use worker_loss='stop'"):
+        resolve_worker_loss("continue", "nccl")
 
 
 def test_mid_epoch_validation_is_refused():
