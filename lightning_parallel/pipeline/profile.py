@@ -269,11 +269,28 @@ def _meta_like(value: Any) -> Any:
     return value
 
 
+def _meta_state(layer: nn.Module) -> tuple[dict[str, torch.Tensor], set[int]]:
+    """Meta stand-ins of ``layer``'s parameters and buffers (no data is copied; meta tensors
+    stand for themselves), by name, and the ids of the parameters' stand-ins."""
+    state: dict[str, torch.Tensor] = {}
+    parameters: set[int] = set()
+    for name, parameter in layer.named_parameters():
+        meta = parameter if parameter.is_meta else _meta_like(parameter.detach())
+        meta.requires_grad_(parameter.requires_grad)
+        state[name] = meta
+        parameters.add(id(meta))
+    for name, buffer in layer.named_buffers():
+        state[name] = buffer if buffer.is_meta else torch.empty_like(buffer, device="meta")
+    return state, parameters
+
+
 def estimate_layers(layers: Sequence[nn.Module], example_args: tuple[Any, ...]) -> ModelProfile:
-    """Costs of every layer from shapes alone, for a model whose weights are on ``meta``.
+    """Costs of every layer from shapes alone: for a model whose weights are on ``meta``, and
+    for ``partition="estimate"`` (a partition that does not move with timing noise).
 
     A model too large to build on one rank exists only as shapes until each rank materializes
-    its stage, so its layers cannot be timed. Instead, on meta tensors:
+    its stage, so its layers cannot be timed. Instead, on meta tensors (a layer with real
+    weights runs on meta stand-ins of them, no data copied):
 
     1. forward time: the floating-point operations of the forward (torch's
        ``FlopCounterMode``: matrix products and convolutions) at
@@ -293,7 +310,7 @@ def estimate_layers(layers: Sequence[nn.Module], example_args: tuple[Any, ...]) 
     for index, layer in enumerate(layers):
         inputs = _meta_like(current)
         saved: dict[int, int] = {}
-        parameters = {id(p) for p in layer.parameters()}
+        state, parameters = _meta_state(layer)
 
         def pack(
             tensor: torch.Tensor, saved: dict[int, int] = saved, parameters: set[int] = parameters
@@ -305,7 +322,8 @@ def estimate_layers(layers: Sequence[nn.Module], example_args: tuple[Any, ...]) 
 
         counter = FlopCounterMode(display=False)
         with counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            output = _call(layer, inputs, index == 0)
+            arguments = inputs if index == 0 else (inputs,)
+            output = torch.func.functional_call(layer, state, arguments)
         activation = sum(saved.values())
         forward_seconds = (
             counter.get_total_flops() / ESTIMATE_FLOPS_PER_SECOND

@@ -78,7 +78,9 @@ class GroPipeStrategy(PipelineStrategyBase):
             ``"gpipe"`` (fill-drain, all ``m``).
         partition: ``"auto"`` (profile every layer and split by exact dynamic programming; a
             model built on ``meta`` in ``configure_model`` is estimated from its shapes),
-            ``"even"`` (same number of layers per stage), or the list of ``p−1`` boundaries
+            ``"estimate"`` (every model estimated from its shapes: FLOPs and bytes, the same
+            partition on every run), ``"even"`` (same number of layers per stage), or the list
+            of ``p−1`` boundaries
             (index of the first layer of stages 1..p−1).
         recompute: ``"never"``, ``"except_last"`` or ``"always"`` (keep stage inputs only and
             recompute activations in backward: less memory, one more forward).

@@ -185,9 +185,12 @@ class PipelineStrategyBase(ParallelStrategyBase):
         stages: pipeline stages per group, ``p``; the world size must be a multiple of it.
         micro_batches: micro-batches per batch, ``m``.
         partition: ``"auto"`` (profile every layer, or estimate it from shapes for a model built
-            on ``meta``, and split by exact dynamic programming), ``"even"`` (same number of
-            layers per stage), or the list of ``p−1`` boundaries.
-        memory_limit_bytes: most memory a stage may use, for ``partition="auto"``.
+            on ``meta``, and split by exact dynamic programming), ``"estimate"`` (estimate every
+            layer from shapes, FLOPs and bytes, and split alike: the same partition on every
+            run, where timings move it by noise), ``"even"`` (same number of layers per stage),
+            or the list of ``p−1`` boundaries.
+        memory_limit_bytes: most memory a stage may use, for ``partition="auto"`` and
+            ``"estimate"``.
         profile_repeats: timed runs per layer for ``partition="auto"``.
         placement: ``"pipeline"`` (a group's stages on consecutive ranks) or ``"stage"`` (a
             stage's replicas on consecutive ranks).
@@ -228,10 +231,10 @@ class PipelineStrategyBase(ParallelStrategyBase):
         if not isinstance(micro_batches, int) or micro_batches < 1:
             raise ValueError(f"micro_batches must be a positive integer, got {micro_batches!r}")
         if isinstance(partition, str):
-            if partition not in ("auto", "even"):
+            if partition not in ("auto", "estimate", "even"):
                 raise ValueError(
-                    f"partition must be 'auto', 'even' or a list of {stages - 1} boundaries, "
-                    f"got {partition!r}"
+                    f"partition must be 'auto', 'estimate', 'even' or a list of {stages - 1} "
+                    f"boundaries, got {partition!r}"
                 )
         elif len(partition) != stages - 1:
             raise ValueError(
@@ -567,7 +570,8 @@ class PipelineStrategyBase(ParallelStrategyBase):
             return list(self.partition), None
         if self.partition == "even" or self.stages == 1:
             return even_boundaries(len(layers), self.stages), None
-        deferred = any(is_deferred(layer) for layer in layers)
+        # estimated from shapes (the same on every rank and run), or timed
+        deferred = self.partition == "estimate" or any(is_deferred(layer) for layer in layers)
         # "auto": every rank profiles at the same time, so that the timings see what training
         # will see (the other ranks computing beside it, sharing cores and memory bandwidth);
         # the per-layer times are averaged over ranks and every rank partitions the same way.

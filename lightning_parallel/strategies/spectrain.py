@@ -200,7 +200,8 @@ class SpecTrainStrategy(PipelineStrategyBase):
             for ``"none"`` at τ = 1 and momentum 0.9, see ``staleness_learning_rate_scale`` in
             :mod:`~lightning_parallel.pipeline.noflush.stability`), ``"none"``/``None``/1
             (every stage at the optimizer's rate) or a factor in (0, 1] for every stale stage.
-        partition: ``"auto"``, ``"even"`` or the ``N-1`` stage boundaries (see ``gropipe``).
+        partition: ``"auto"``, ``"estimate"``, ``"even"`` or the ``N-1`` stage boundaries (see
+            ``gropipe``).
         error_sample: coordinates per stage the online prediction error samples (0: off).
         timeline_path: write the measured timeline of the last ``timeline_steps`` steps there
             at the end of ``fit`` (``.json``, or ``.png`` for a plot).

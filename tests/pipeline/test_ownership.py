@@ -143,3 +143,18 @@ def test_costs_are_estimated_from_shapes_on_meta() -> None:
     assert first.parameter_bytes == 4 * (64 * 256 + 256) and relu.parameter_bytes == 0
     assert first.activation_bytes == 8 * 64 * 4  # the input, not the weight
     assert first.output_bytes == 8 * 256 * 4
+
+
+def test_real_layers_are_estimated_as_their_meta_twins_without_touching_them() -> None:
+    """``partition="estimate"``: layers with real weights cost what the same shapes cost on
+    meta (so every run partitions alike), and their weights are neither moved nor changed."""
+    torch.manual_seed(0)
+    real = [nn.Linear(64, 256), nn.BatchNorm1d(256), nn.ReLU(), nn.Linear(256, 10)]
+    before = [t.clone() for layer in real for t in layer.state_dict().values()]
+    with torch.device("meta"):
+        meta = [nn.Linear(64, 256), nn.BatchNorm1d(256), nn.ReLU(), nn.Linear(256, 10)]
+    example = (torch.randn(8, 64),)
+    assert estimate_layers(real, example) == estimate_layers(meta, example)
+    after = [t for layer in real for t in layer.state_dict().values()]
+    assert all(a.device.type == "cpu" and torch.equal(a, b) for a, b in zip(after, before))
+    assert all(p.grad is None for layer in real for p in layer.parameters())

@@ -265,7 +265,7 @@ def test_predict_runs_through_the_pipeline(tmp_path: Path) -> None:
         ({"micro_batches": 0}, "micro_batches must be a positive integer"),
         ({"schedule": "zigzag"}, "schedule must be one of"),
         ({"stages": 3, "partition": [2]}, "it needs 2 boundaries"),
-        ({"partition": "greedy"}, "partition must be 'auto', 'even'"),
+        ({"partition": "greedy"}, "partition must be 'auto', 'estimate', 'even'"),
         ({"recompute": "sometimes"}, "recompute must be one of"),
         ({"start_method": "thread"}, "start_method must be one of"),
     ],
@@ -273,3 +273,24 @@ def test_predict_runs_through_the_pipeline(tmp_path: Path) -> None:
 def test_bad_arguments_fail_at_construction(kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         GroPipeStrategy(**kwargs)
+
+
+def test_an_estimated_partition_comes_from_shapes_and_is_the_same_every_time(monkeypatch) -> None:
+    """``partition="estimate"`` splits by FLOPs and bytes (``estimate_layers``), never by
+    timings, so every run of a model gets the same stages."""
+    from lightning_parallel.pipeline.partition import partition
+    from lightning_parallel.pipeline.profile import estimate_layers
+    from lightning_parallel.strategies import pipeline_base
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("partition='estimate' must not time the layers")
+
+    monkeypatch.setattr(pipeline_base, "profile_layers", timed)
+    layers = [nn.Linear(32, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU()]
+    layers += [nn.Linear(512, 16), nn.ReLU(), nn.Linear(16, 4)]
+    example = (torch.randn(8, 32),)
+    strategy = GroPipeStrategy(stages=3, micro_batches=2, partition="estimate")
+    chosen = [strategy._choose_boundaries(layers, example)[0] for _ in range(3)]
+    expected = partition(estimate_layers(layers, example), 3, 2).boundaries
+    # the 512x512 product (nearly 10x the FLOPs of the rest together) gets a stage of its own
+    assert chosen == [list(expected)] * 3 and expected == (1, 3)
