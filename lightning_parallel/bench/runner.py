@@ -398,7 +398,7 @@ def run_spec(spec: str, config: BenchConfig, log_dir: Path) -> dict[str, Any]:
             (
                 SimulatedNetwork(config.hosts, config.bandwidth, config.latency)
                 if config.network == "netns"
-                else LocalHosts(config.hosts)
+                else nullcontext(LocalHosts(config.hosts))
             ) as network,
             (
                 MemoryCaps(network.prefix, config.hosts, config.memory_per_host)

@@ -19,7 +19,6 @@ from __future__ import annotations
 import itertools
 import os
 import socket
-from types import TracebackType
 
 from lightning_parallel.cluster.network import ClusterError, Host
 
@@ -37,12 +36,12 @@ def free_port() -> int:
 
 
 class LocalHosts:
-    """``hosts`` hosts on this machine's loopback; the interface of a simulated network.
+    """``hosts`` hosts on this machine's loopback; the interface of a simulated network. There
+    is nothing to create or remove, so unlike a simulated network it needs no ``with`` block.
 
     Example::
 
-        with LocalHosts(2) as hosts:
-            run_on_hosts(hosts, ["python", "train.py"], master_port=free_port())
+        run_on_hosts(LocalHosts(2), ["python", "train.py"], master_port=free_port())
     """
 
     shaped = False  # no link shaping and no per-host traffic counter
@@ -59,17 +58,6 @@ class LocalHosts:
             for i in range(hosts)
         ]
         self.notes: list[str] = []
-
-    def __enter__(self) -> LocalHosts:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        return None
 
     def exec_argv(self, host: Host, argv: list[str]) -> list[str]:
         """``argv`` itself: every host is this machine."""

@@ -204,11 +204,12 @@ class HyloHook:
         world = dist.get_world_size(self.process_group)
         compressed = any(layer.plan.compressed for layer in layers)
         if self.compressing and compressed:
+            calibrating = self._calibrating()
             # the cost model needs the device's times, not the launches': CUDA synchronises then
-            self.exchange.synchronize = self._calibrating()
+            self.exchange.synchronize = calibrating
             reports = self.exchange.average(layers)
             self.reports.update(reports)
-            if self._calibrating():
+            if calibrating:
                 self._observe(reports)
             future: torch.futures.Future[Tensor] = torch.futures.Future()
             future.set_result(buffer)

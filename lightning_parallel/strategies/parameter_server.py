@@ -201,8 +201,8 @@ class ParameterServerStrategy(ParallelStrategyBase):
             raise ValueError(f"shards must be an integer >= 1, got {shards!r}")
         if worker_loss not in ("continue", "stop", None):
             raise ValueError(f"worker_loss must be 'continue' or 'stop', got {worker_loss!r}")
-        if worker_loss == "continue" and kwargs.get("process_group_backend") == "nccl":
-            raise ValueError(_CONTINUE_NEEDS_GLOO)
+        # an explicit NCCL backend refuses "continue" now; otherwise setup resolves the default
+        resolve_worker_loss(worker_loss, str(kwargs.get("process_group_backend")))
         if heartbeat_timeout is not None and (
             isinstance(heartbeat_timeout, bool) or not float(heartbeat_timeout) > 0
         ):
