@@ -58,21 +58,28 @@ class ErrorFeedback:
                 "residuals were saved: call reset() or load matching residuals"
             )
 
-    def compensate_(self, key: str, gradient: Tensor) -> Tensor:
+    def compensate_(self, key: str, gradient: Tensor, part: slice | None = None) -> Tensor:
         """In place: add ``gradient`` to the residual storage of ``key`` and return that storage.
 
         The returned tensor *is* the residual: it holds ``p = g + e`` now, and the caller must
         leave the new residual ``p - C(p)`` in it (by subtracting what was sent). No new tensor
         is allocated after the first step, which matters for large layers (fresh allocations
         cost page faults every step).
+
+        ``part`` (a slice of the flat ``gradient``): compensate only those values and return
+        that view of the residual, so that a large layer can be encoded and sent piece by piece
+        (the first call allocates the whole residual, zero outside ``part``).
         """
         residual = self._residuals.get(key)
         if residual is None:
-            residual = gradient.detach().clone()
+            residual = gradient.detach().clone() if part is None else torch.zeros_like(gradient)
             self._residuals[key] = residual
-            return residual
+            if part is None:
+                return residual
         self._check(key, residual, gradient)
-        return residual.add_(gradient)
+        if part is None:
+            return residual.add_(gradient)
+        return residual[part].add_(gradient[part])
 
     def update(self, key: str, compensated: Tensor, decoded: Tensor) -> None:
         """Store ``compensated - decoded`` as the new residual of ``key``."""

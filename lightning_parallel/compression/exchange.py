@@ -29,17 +29,26 @@ two-phase compressed allreduce (as DeepSpeed's 1-bit allreduce; here with Hylo's
     ``W``. With ``two_bit_exchange="allgather"`` the codes are allgathered instead (the simple
     fallback: ``(W-1) * n/16`` words, growing with ``W``).
 
-``gather`` (peer codecs: top-k, QSGD, TernGrad, signSGD)
+``gather`` (peer codecs: top-k, QSGD, TernGrad, signSGD; 2-bit codes at ``W = 2``)
     every rank's payload is allgathered in one byte buffer (round 1) and every rank decodes and
     averages all of them: bytes per rank grow with ``W``, as in GRACE's allgather communicator.
+
+Pipelined pieces (gather route). A large 2-bit layer is cut into pieces of about
+``piece_numel`` values (whole blocks: a block's codes depend on that block alone, so the
+result is bit for bit the one-piece result), and the payloads travel in messages of about
+``piece_numel`` values, each allgathered as soon as it is encoded. While message ``k`` is on
+the wire, message ``k + 1`` is encoded, and message ``k`` is decoded while ``k + 1`` travels:
+the link is busy from the first message's encoding to the last one's decoding, instead of
+waiting for every code of the bucket before the first byte leaves. On calibration steps the
+bucket travels in one message, so that the cost model's waits measure the link alone.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -57,6 +66,8 @@ from lightning_parallel.compression.two_bit import TwoBitQuantizer
 __all__: list[str] = []
 
 TWO_BIT_EXCHANGES = ("auto", "two_phase", "allgather")
+#: values per pipelined message on the gather route (2-bit codes: 128 KiB, 10 ms at 100 Mbit/s)
+PIECE_NUMEL = 1 << 19
 _ALIGN = 8  # bytes: every payload segment starts aligned so it can be viewed as any dtype
 
 
@@ -182,6 +193,8 @@ class HyloExchange:
             once instead of twice; ``two_phase`` above).
         importance_dtype: dtype of the allreduced per-kernel norms (only their ranking matters).
         group: the process group (``None``: the default group).
+        piece_numel: values per pipelined message on the gather route (a large 2-bit layer
+            with blocks is cut into pieces of whole blocks); ``None``: one message per bucket.
     """
 
     def __init__(
@@ -191,7 +204,13 @@ class HyloExchange:
         two_bit_exchange: str = "auto",
         importance_dtype: torch.dtype = torch.bfloat16,
         group: Any = None,
+        piece_numel: int | None = PIECE_NUMEL,
     ) -> None:
+        if piece_numel is not None and piece_numel < 1:
+            raise ValueError(
+                f"piece_numel must be a positive number of values, or None (one message per "
+                f"bucket), got {piece_numel}"
+            )
         if two_bit_exchange not in TWO_BIT_EXCHANGES:
             raise ValueError(
                 f"two_bit_exchange must be one of {TWO_BIT_EXCHANGES}, got {two_bit_exchange!r}"
@@ -201,10 +220,12 @@ class HyloExchange:
         self.two_bit_exchange = two_bit_exchange
         self.importance_dtype = importance_dtype
         self.group = group
+        self.piece_numel = piece_numel
         self.last_wait_seconds = 0.0
-        # time the device's work, not its launches: on CUDA every clock reading and wait then
-        # synchronises the device (the hook sets it on its calibration steps only)
-        self.synchronize = False
+        # set by the hook on its calibration steps: time the device's work, not its launches
+        # (on CUDA every clock reading and wait synchronises the device), and send every layer
+        # in one piece, so that the waits measure the link
+        self.calibrating = False
         self._workspaces: dict[str, Tensor] = {}
 
     def _workspace(self, key: str, like: Tensor) -> Tensor:
@@ -245,7 +266,7 @@ class HyloExchange:
                 layer.gradient.numel() * layer.gradient.element_size(), world
             )
         sync = _no_sync
-        if self.synchronize and layers and layers[0].gradient.is_cuda:
+        if self.calibrating and layers and layers[0].gradient.is_cuda:
             device = layers[0].gradient.device
             sync = lambda: torch.cuda.synchronize(device)  # noqa: E731
         clock = _Clock(reports, sync)
@@ -256,30 +277,31 @@ class HyloExchange:
                 route = GATHER
             routes[route].append(layer)
 
-        # Round 1: kernel norms (allreduce), 2-bit chunks (all_to_all), payloads (allgather).
+        # Round 1: kernel norms (allreduce), 2-bit chunks (all_to_all), payloads (allgather,
+        # one message after another as they are encoded).
         works: list[Any] = []
         kernel_round = self._kernel_norms(routes[KERNEL], clock, works, world)
-        two_bit_round = self._scatter_codes(routes[TWO_BIT], clock, works, world)
-        gather_round = self._gather_payloads(routes[GATHER], clock, works, world)
-        started = time.perf_counter()
-        for work in works:
-            work.wait()
-        sync()  # an NCCL wait returns once the work is queued on the stream
-        waited = time.perf_counter() - started
+        chunk_messages = self._scatter_codes(routes[TWO_BIT], clock, world, rank)
+        messages = self._gather_payloads(routes[GATHER], clock, world)
+        waited = _wait(works, sync)
 
-        # Round 2: dense + selected kernels (allreduce), re-quantized chunks (allgather).
+        # Round 2: dense + selected kernels (allreduce), each message's chunks re-quantized
+        # and allgathered once its codes arrived; gathered messages decoded as they arrive.
         works = []
         dense_round = self._dense_values(routes[DENSE], kernel_round, clock, works, world)
-        chunk_round = self._reduce_chunks(two_bit_round, clock, works, world, rank)
-        self._decode_payloads(gather_round, clock, world)
-        started = time.perf_counter()
-        for work in works:
-            work.wait()
-        sync()
-        self.last_wait_seconds = waited + time.perf_counter() - started
+        for chunk_message in chunk_messages:
+            waited += _wait([chunk_message.work], sync)
+            self._reduce_chunks(chunk_message, clock, world, rank)
+        for message in messages:
+            waited += _wait([message.work], sync)
+            self._decode_message(message, clock, world)
+        for chunk_message in chunk_messages:
+            waited += _wait([chunk_message.gathering], sync)
+            self._decode_chunks(chunk_message, clock, world)
+        waited += _wait(works, sync)
+        self.last_wait_seconds = waited
 
         self._write_dense(dense_round, clock)
-        self._decode_chunks(chunk_round, clock, world)
         return reports
 
     # -- kernel route -----------------------------------------------------------------------
@@ -311,20 +333,34 @@ class HyloExchange:
     def flush(self, layer: LayerGradient, world: int, rank: int) -> None:
         """Send what a layer kept while it was compressed, now that it travels dense.
 
-        The worker residual joins this rank's gradient; the second residual of the two-phase
-        exchange (in units of the mean, held by the chunk's owner only) joins it times ``W``, so
-        that the average gains exactly the residual.
+        The worker residual joins this rank's gradient; the second residuals of the two-phase
+        exchange join it too (see :meth:`_fold_server_residuals`).
         """
-        name = layer.plan.name
-        residual = self.memory.pop(name)
+        residual = self.memory.pop(layer.plan.name)
         if residual is not None:
             layer.gradient.add_(residual)
-        for key in [key for key in self.server_memory if key.startswith(f"{name}@chunk")]:
+        self._fold_server_residuals(layer, world, rank, keep=())
+
+    def _fold_server_residuals(
+        self, layer: LayerGradient, world: int, rank: int, keep: Collection[str]
+    ) -> None:
+        """Move the layer's second residuals not in ``keep`` into this rank's gradient.
+
+        A second residual is held by its chunk's owner in units of the mean: it joins the
+        owner's gradient times ``W``, so that the average gains exactly the residual. This
+        runs when a layer turns dense (nothing kept) and when its pieces change (another
+        ``piece_numel``, or a checkpoint of the one-piece layout).
+        """
+        prefix = f"{layer.plan.name}@chunk"
+        for key in [key for key in self.server_memory if key.startswith(prefix)]:
+            if key in keep:
+                continue
             server = self.server_memory.pop(key)
-            if server is None or key != f"{name}@chunk{rank}of{world}":
+            owned = _owned_values(key[len(prefix) :], server, world, rank)
+            if server is None or owned is None:
                 continue  # a chunk of another world size: its share is lost with that layout
-            start = rank * server.numel()
-            stop = min(layer.gradient.numel(), start + server.numel())
+            start, stop = owned
+            stop = min(stop, layer.gradient.numel())
             if stop > start:
                 layer.gradient[start:stop].add_(server[: stop - start], alpha=world)
 
@@ -391,51 +427,60 @@ class HyloExchange:
             layer.gradient.view(-1, shape[1]).index_copy_(0, indices, averaged)
             clock.lap(layer.plan.name, "decode")
 
-    # -- two-bit route, two-phase -----------------------------------------------------------
+    # -- two-bit route, two-phase, in pipelined messages -----------------------------------
 
     def _scatter_codes(
-        self, layers: list[LayerGradient], clock: _Clock, works: list[Any], world: int
-    ) -> dict[str, Any] | None:
-        if not layers:
-            return None
-        rows: list[Tensor] = []
-        chunks: list[int] = []
+        self, layers: list[LayerGradient], clock: _Clock, world: int, rank: int
+    ) -> list[_ChunkMessage]:
+        """Quantize each piece into ``W`` chunks and send chunk ``j`` to rank ``j`` (round 1)."""
+        messages: list[_ChunkMessage] = []
+        pending: list[_ChunkPiece] = []
+        filled = 0
+        limit = None if self.calibrating else self.piece_numel  # None: one message
         for layer in layers:
-            clock.start()
             codec = layer.plan.codec
             assert isinstance(codec, TwoBitQuantizer)
             name = layer.plan.name
-            p = self.memory.compensate_(name, layer.gradient)
-            chunk = two_phase_chunk(p.numel(), world, codec.block_size or 16)
-            # The codes live in a zeroed buffer of W chunks: the padding stays code 0.
-            codes = self._buffer(f"{name}/codes", (world * chunk,), torch.int8, p.device)
-            _, scale = codec.quantize_(p, self._workspace(name, p), codes_out=codes)  # p: residual
-            words = pack_2bit(codes.view(torch.uint8).view(world, chunk))  # (W, chunk / 16)
-            scale_bits = _chunk_scales(codec, scale, world, chunk).view(torch.int32)
-            rows.append(torch.cat([scale_bits, words], dim=1))
-            chunks.append(chunk)
-            clock.lap(name, "encode")
-        send = to_group(torch.cat(rows, dim=1).contiguous(), self.group)
-        received = empty_like(send)
-        works.append(dist.all_to_all_single(received, send, async_op=True, group=self.group))
-        for layer, row in zip(layers, rows):
-            clock.reports[layer.plan.name].bytes_sent += (world - 1) * row.shape[1] * 4
-        return {"layers": layers, "chunks": chunks, "received": received}
+            parts = self._pieces(layer)
+            keys = [_server_key(name, rank, world, part) for part in parts]
+            self._fold_server_residuals(layer, world, rank, keep=keys)
+            for part, key in zip(parts, keys):
+                clock.start()
+                p = self.memory.compensate_(name, layer.gradient, part)
+                chunk = two_phase_chunk(p.numel(), world, codec.block_size or 16)
+                # The codes live in a zeroed buffer of W chunks: the padding stays code 0.
+                at = 0 if part is None else part.start
+                codes = self._buffer(f"{name}/codes@{at}", (world * chunk,), torch.int8, p.device)
+                workspace = self._workspace(name, layer.gradient)
+                workspace = workspace if part is None else workspace[part]
+                _, scale = codec.quantize_(p, workspace, codes_out=codes)  # p: the residual
+                words = pack_2bit(codes.view(torch.uint8).view(world, chunk))  # (W, chunk / 16)
+                scale_bits = _chunk_scales(codec, scale, world, chunk).view(torch.int32)
+                row = torch.cat([scale_bits, words], dim=1)
+                pending.append(_ChunkPiece(layer, part, key, chunk, row))
+                filled += p.numel()
+                clock.reports[name].bytes_sent += (world - 1) * row.shape[1] * 4
+                clock.lap(name, "encode")
+                if limit is not None and filled >= limit:
+                    messages.append(self._scatter_message(pending))
+                    pending, filled = [], 0
+        if pending:
+            messages.append(self._scatter_message(pending))
+        return messages
 
-    def _reduce_chunks(
-        self,
-        two_bit_round: dict[str, Any] | None,
-        clock: _Clock,
-        works: list[Any],
-        world: int,
-        rank: int,
-    ) -> dict[str, Any] | None:
-        if two_bit_round is None:
-            return None
-        received: Tensor = two_bit_round["received"]  # (W, sum of 1 + words): row i from rank i
-        pieces: list[Tensor] = []
+    def _scatter_message(self, pieces: list[_ChunkPiece]) -> _ChunkMessage:
+        send = to_group(torch.cat([piece.row for piece in pieces], dim=1).contiguous(), self.group)
+        received = empty_like(send)
+        work = dist.all_to_all_single(received, send, async_op=True, group=self.group)
+        return _ChunkMessage(pieces, received, work)
+
+    def _reduce_chunks(self, message: _ChunkMessage, clock: _Clock, world: int, rank: int) -> None:
+        """Average this rank's chunk of every piece, re-quantize it, allgather (round 2)."""
+        received = message.received  # (W, sum of scales + words): row i from rank i
+        sends: list[Tensor] = []
         offset = 0
-        for layer, chunk in zip(two_bit_round["layers"], two_bit_round["chunks"]):
+        for piece in message.pieces:
+            layer, chunk = piece.layer, piece.chunk
             clock.start()
             codec = layer.plan.codec
             assert isinstance(codec, TwoBitQuantizer)
@@ -444,7 +489,7 @@ class HyloExchange:
             block_scales = received[:, offset : offset + per_chunk].contiguous()
             block_scales = block_scales.view(torch.float32)  # (W, scales per chunk)
             # (W, chunk) int8: row i holds rank i's codes of the chunk this rank owns
-            key = f"{layer.plan.name}@chunk{rank}of{world}"
+            key = piece.key
             buffer = self._buffer(f"{key}/signs", (world, 16 * words), torch.int8, received.device)
             block = received[:, offset + per_chunk : offset + per_chunk + words]
             signs = codec.signs_from_words(block, chunk, out=buffer)
@@ -458,7 +503,7 @@ class HyloExchange:
                 mean.add_(codec.dequantize(signs[source], block_scales[source], term))
             mean.div_(world)
             s = self.server_memory.compensate_(key, mean)  # second error feedback
-            valid = max(0, min(chunk, layer.gradient.numel() - rank * chunk))
+            valid = max(0, min(chunk, piece.numel - rank * chunk))
             codes_out = buffer.view(-1)
             if codec.block_size is None:
                 _, scale = codec.quantize_(
@@ -470,20 +515,19 @@ class HyloExchange:
             scale_rows = _chunk_scales(codec, scale, 1, chunk)
             server_codes = codes_out[:chunk].view(torch.uint8)
             scale_bits = scale_rows.reshape(per_chunk).view(torch.int32)
-            pieces.append(torch.cat([scale_bits, pack_2bit(server_codes)]))
+            sends.append(torch.cat([scale_bits, pack_2bit(server_codes)]))
             clock.reports[layer.plan.name].bytes_sent += (world - 1) * (per_chunk + words) * 4
             clock.lap(layer.plan.name, "decode")
-        send = to_group(torch.cat(pieces), self.group)
-        gathered = [empty_like(send) for _ in range(world)]
-        works.append(dist.all_gather(gathered, send, async_op=True, group=self.group))
-        return {**two_bit_round, "gathered": gathered}
+        send = to_group(torch.cat(sends), self.group)
+        message.gathered = [empty_like(send) for _ in range(world)]
+        message.gathering = dist.all_gather(message.gathered, send, async_op=True, group=self.group)
 
-    def _decode_chunks(self, chunk_round: dict[str, Any] | None, clock: _Clock, world: int) -> None:
-        if chunk_round is None:
-            return
-        gathered = torch.stack(chunk_round["gathered"])  # (W, sum of 1 + words)
+    def _decode_chunks(self, message: _ChunkMessage, clock: _Clock, world: int) -> None:
+        """Write every rank's re-quantized chunks of the message's pieces into the gradients."""
+        gathered = torch.stack(message.gathered)  # (W, sum of scales + words)
         offset = 0
-        for layer, chunk in zip(chunk_round["layers"], chunk_round["chunks"]):
+        for piece in message.pieces:
+            layer, chunk = piece.layer, piece.chunk
             clock.start()
             codec = layer.plan.codec
             assert isinstance(codec, TwoBitQuantizer)
@@ -492,63 +536,171 @@ class HyloExchange:
             block_scales = gathered[:, offset : offset + per_chunk].contiguous()
             block_scales = block_scales.view(torch.float32)  # (W, scales per chunk)
             # (W, chunk) int8: row j holds chunk j as re-quantized by its owner, rank j
-            name = layer.plan.name
+            at = 0 if piece.part is None else piece.part.start
             shape = (world, 16 * words)
-            buffer = self._buffer(f"{name}/decoded", shape, torch.int8, gathered.device)
+            key = f"{layer.plan.name}/decoded@{at}"
+            buffer = self._buffer(key, shape, torch.int8, gathered.device)
             block = gathered[:, offset + per_chunk : offset + per_chunk + words]
             signs = codec.signs_from_words(block, chunk, out=buffer)
             offset += per_chunk + words
-            numel = layer.gradient.numel()
+            gradient = layer.gradient if piece.part is None else layer.gradient[piece.part]
             for owner in range(world):  # a loop over ranks; each step whole-tensor
-                start, stop = owner * chunk, min(numel, (owner + 1) * chunk)
+                start, stop = owner * chunk, min(piece.numel, (owner + 1) * chunk)
                 if stop > start:
-                    target = layer.gradient[start:stop]
+                    target = gradient[start:stop]
                     codec.dequantize(signs[owner, : stop - start], block_scales[owner], target)
             clock.lap(layer.plan.name, "decode")
 
-    # -- gather route (peer codecs, 2-bit allgather) ----------------------------------------
+    # -- gather route (peer codecs, 2-bit allgather), in pipelined messages ------------------
+
+    def _pieces(self, layer: LayerGradient) -> list[slice | None]:
+        """The parts of ``layer`` encoded one after another (``None``: the whole layer).
+
+        Only a 2-bit layer with blocks is cut, into pieces of whole blocks: a block's codes,
+        and in the two-phase exchange its owner's re-quantization, depend on that block alone,
+        so the values are those of the whole layer. A peer codec's selection or scale spans its
+        whole tensor. The pieces do not depend on calibration (the two-phase exchange keeps a
+        second residual per piece); only the messages do.
+        """
+        codec = layer.plan.codec
+        numel = layer.gradient.numel()
+        if (
+            self.piece_numel is None
+            or not isinstance(codec, TwoBitQuantizer)
+            or codec.block_size is None
+            or numel <= self.piece_numel
+        ):
+            return [None]
+        step = max(1, self.piece_numel // codec.block_size) * codec.block_size
+        return [slice(start, min(numel, start + step)) for start in range(0, numel, step)]
 
     def _gather_payloads(
-        self, layers: list[LayerGradient], clock: _Clock, works: list[Any], world: int
-    ) -> dict[str, Any] | None:
-        if not layers:
-            return None
-        payloads: list[Tensor] = []
-        encodings: list[Encoded] = []
+        self, layers: list[LayerGradient], clock: _Clock, world: int
+    ) -> list[_Message]:
+        """Encode ``layers`` piece by piece and allgather each message once it is full."""
+        messages: list[_Message] = []
+        pending: list[tuple[LayerGradient, slice | None, Encoded]] = []
+        filled = 0
+        limit = None if self.calibrating else self.piece_numel  # None: one message
         for layer in layers:
-            clock.start()
-            codec = layer.plan.codec
-            p = self.memory.compensate_(layer.plan.name, layer.gradient)
-            # p becomes the residual, what was not sent
-            encoded = codec.encode_(p.view(layer.plan.shape), self._workspace(layer.plan.name, p))
-            payloads.extend(encoded.payload)
-            encodings.append(encoded)
-            clock.reports[layer.plan.name].bytes_sent += (world - 1) * encoded.nbytes()
-            clock.lap(layer.plan.name, "encode")
-        send, layout = _to_bytes(payloads)
+            for part in self._pieces(layer):
+                clock.start()
+                name, codec = layer.plan.name, layer.plan.codec
+                p = self.memory.compensate_(name, layer.gradient, part)
+                workspace = self._workspace(name, layer.gradient)
+                if part is None:
+                    # p becomes the residual, what was not sent
+                    encoded = codec.encode_(p.view(layer.plan.shape), workspace)
+                else:
+                    encoded = codec.encode_(p, workspace[part])
+                pending.append((layer, part, encoded))
+                filled += p.numel()
+                clock.reports[name].bytes_sent += (world - 1) * encoded.nbytes()
+                clock.lap(name, "encode")
+                if limit is not None and filled >= limit:
+                    messages.append(self._send_message(pending, world))
+                    pending, filled = [], 0
+        if pending:
+            messages.append(self._send_message(pending, world))
+        return messages
+
+    def _send_message(
+        self, pieces: list[tuple[LayerGradient, slice | None, Encoded]], world: int
+    ) -> _Message:
+        send, layout = _to_bytes([part for _, _, encoded in pieces for part in encoded.payload])
         send = to_group(send, self.group)
         gathered = [empty_like(send) for _ in range(world)]
-        works.append(dist.all_gather(gathered, send, async_op=True, group=self.group))
-        return {"layers": layers, "encodings": encodings, "layout": layout, "gathered": gathered}
+        work = dist.all_gather(gathered, send, async_op=True, group=self.group)
+        return _Message(pieces, layout, gathered, work)
 
-    def _decode_payloads(
-        self, gather_round: dict[str, Any] | None, clock: _Clock, world: int
-    ) -> None:
-        if gather_round is None:
-            return
-        layout = gather_round["layout"]
-        per_rank = [_from_bytes(buffer, layout) for buffer in gather_round["gathered"]]
+    def _decode_message(self, message: _Message, clock: _Clock, world: int) -> None:
+        """Average the pieces of an arrived message: decode every rank's payload, sum, / W."""
+        per_rank = [_from_bytes(buffer, message.layout) for buffer in message.gathered]
         start = 0
-        for layer, encoded in zip(gather_round["layers"], gather_round["encodings"]):
+        for layer, part, encoded in message.pieces:
             clock.start()
             count = len(encoded.payload)
-            layer.gradient.zero_()
+            target = layer.gradient if part is None else layer.gradient[part]
+            target.zero_()
             # the layer's encode workspace is free again: the codec may decode into it
             workspace = self._workspace(layer.plan.name, layer.gradient)
+            if part is not None:
+                workspace = workspace[part]
             for tensors in per_rank:  # a loop over ranks; each decode is whole-tensor
                 payload = tensors[start : start + count]
-                encoded_here = Encoded(payload, encoded.context)
-                layer.plan.codec.decode_add_(encoded_here, layer.gradient, workspace)
+                layer.plan.codec.decode_add_(Encoded(payload, encoded.context), target, workspace)
             start += count
-            layer.gradient.div_(world)
+            target.div_(world)
             clock.lap(layer.plan.name, "decode")
+
+
+@dataclass
+class _Message:
+    """One allgather in flight: the pieces it carries and where their payloads lie."""
+
+    pieces: list[tuple[LayerGradient, slice | None, Encoded]]
+    layout: _Layout
+    gathered: list[Tensor]
+    work: Any
+
+
+def _wait(works: list[Any], sync: Callable[[], None]) -> float:
+    """Wait for ``works``; return the seconds it took."""
+    started = time.perf_counter()
+    for work in works:
+        work.wait()
+    sync()  # an NCCL wait returns once the work is queued on the stream
+    return time.perf_counter() - started
+
+
+@dataclass
+class _ChunkPiece:
+    """One piece of a 2-bit layer in the two-phase exchange: its codes cut into ``W`` chunks."""
+
+    layer: LayerGradient
+    part: slice | None  # of the layer's values; None: all of them
+    key: str  # of this rank's second residual (its chunk of the piece)
+    chunk: int  # values per rank's chunk
+    row: Tensor  # (W, scales + words): the packed chunk for each rank
+
+    @property
+    def numel(self) -> int:
+        """Values of the piece."""
+        if self.part is None:
+            return self.layer.gradient.numel()
+        return self.part.stop - self.part.start
+
+
+@dataclass
+class _ChunkMessage:
+    """The two collectives of a group of pieces: codes scattered, then chunks gathered."""
+
+    pieces: list[_ChunkPiece]
+    received: Tensor  # round 1: every rank's codes of this rank's chunks
+    work: Any  # round 1's all_to_all
+    gathered: list[Tensor] = field(default_factory=list)  # round 2: every owner's chunks
+    gathering: Any = None  # round 2's allgather
+
+
+def _server_key(name: str, rank: int, world: int, part: slice | None) -> str:
+    """Key of ``rank``'s second residual: its chunk of the layer, or of the piece ``part``."""
+    key = f"{name}@chunk{rank}of{world}"
+    return key if part is None else f"{key}@{part.start}-{part.stop}"
+
+
+def _owned_values(
+    suffix: str, server: Tensor | None, world: int, rank: int
+) -> tuple[int, int] | None:
+    """The layer's values ``[start, stop)`` a second residual belongs to, from its key's
+    suffix (``"{r}of{W}"`` or ``"{r}of{W}@{piece start}-{piece stop}"``); ``None`` when it is
+    another rank's or another world size's."""
+    owner, _, piece = suffix.partition("@")
+    if server is None or owner != f"{rank}of{world}":
+        return None
+    begin, stop = 0, None
+    if piece:
+        first, _, last = piece.partition("-")
+        begin, stop = int(first), int(last)
+    start = begin + rank * server.numel()
+    end = start + server.numel()
+    return start, end if stop is None else min(end, stop)

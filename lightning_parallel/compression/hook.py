@@ -41,6 +41,7 @@ from lightning_parallel.comm.devices import to_group
 from lightning_parallel.compression.cost_model import CostModel
 from lightning_parallel.compression.error_feedback import ErrorFeedback
 from lightning_parallel.compression.exchange import (
+    PIECE_NUMEL,
     HyloExchange,
     LayerGradient,
     LayerReport,
@@ -71,6 +72,9 @@ class HyloHook:
             the backward pass (buckets still run one at a time, in order, so the collectives
             match across ranks). ``None``: on for CPU tensors, off for CUDA ones (NCCL
             already runs on its own stream); ``True`` with CUDA tensors raises.
+        piece_numel: values per pipelined message of the allgathered codes (large 2-bit
+            layers are encoded, sent and decoded piece by piece); ``None``: one message per
+            bucket (see :class:`~lightning_parallel.compression.HyloExchange`).
 
     Example::
 
@@ -90,6 +94,7 @@ class HyloHook:
         process_group: Any = None,
         seed: int = 0,
         overlap: bool | None = None,
+        piece_numel: int | None = PIECE_NUMEL,
     ) -> None:
         if warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
@@ -111,7 +116,11 @@ class HyloHook:
         self.memory = ErrorFeedback()
         self.server_memory = ErrorFeedback()
         self.exchange = HyloExchange(
-            self.memory, self.server_memory, two_bit_exchange, group=process_group
+            self.memory,
+            self.server_memory,
+            two_bit_exchange,
+            group=process_group,
+            piece_numel=piece_numel,
         )
         self.step = 0
         self.calls = 0
@@ -205,8 +214,9 @@ class HyloHook:
         compressed = any(layer.plan.compressed for layer in layers)
         if self.compressing and compressed:
             calibrating = self._calibrating()
-            # the cost model needs the device's times, not the launches': CUDA synchronises then
-            self.exchange.synchronize = calibrating
+            # the cost model needs the device's times, not the launches' (CUDA synchronises
+            # then), and the link's alone (layers travel unpipelined then)
+            self.exchange.calibrating = calibrating
             reports = self.exchange.average(layers)
             self.reports.update(reports)
             if calibrating:

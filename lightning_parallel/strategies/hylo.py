@@ -22,6 +22,7 @@ from typing_extensions import override
 from lightning_parallel.callbacks.hylo import HyloCompression
 from lightning_parallel.compat import register_strategy
 from lightning_parallel.compat.private import attached_trainer
+from lightning_parallel.compression.exchange import PIECE_NUMEL
 from lightning_parallel.compression.policy import MIN_COMPRESS_NUMEL
 from lightning_parallel.strategies.arguments import as_bool, optional_bool
 from lightning_parallel.strategies.base import ParallelStrategyBase
@@ -53,6 +54,8 @@ class HyloStrategy(ParallelStrategyBase):
         reconstruction: ``"mean"`` or ``"threshold"``: what 2-bit codes decode to.
         block_size: values per 2-bit block with its own threshold and scale (default 512;
             ``"none"``: one per tensor).
+        piece_numel: values per pipelined message of allgathered 2-bit codes (default
+            524288; ``"none"``: one message per bucket).
         start_method: ``"popen"``, ``"spawn"``, ``"fork"`` or ``"forkserver"`` (DDPStrategy's).
         **kwargs: passed to :class:`~pytorch_lightning.strategies.DDPStrategy`.
     """
@@ -74,6 +77,7 @@ class HyloStrategy(ParallelStrategyBase):
         overlap: bool | str | None = None,
         reconstruction: str = "mean",
         block_size: int | str | None = 512,
+        piece_numel: int | str | None = PIECE_NUMEL,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         **kwargs: Any,
     ) -> None:
@@ -96,6 +100,7 @@ class HyloStrategy(ParallelStrategyBase):
             overlap=optional_bool("overlap", overlap),
             reconstruction=reconstruction,
             block_size=None if block_size in (None, "none", "None") else int(block_size),
+            piece_numel=None if piece_numel in (None, "none", "None") else int(piece_numel),
         )
 
     @property

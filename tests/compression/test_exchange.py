@@ -221,3 +221,124 @@ def test_auto_exchange_allgathers_at_two_ranks_and_goes_two_phase_above(
     for rank in range(world):
         for step in range(STEPS):
             assert torch.equal(auto[rank][step][0], reference[rank][step][0])
+
+
+def _pipelined(rank: int, world: int, piece_numel: int | None, calibrating: bool) -> dict:
+    """STEPS exchanges of a 2-bit layer (blocks of 64), a top-k layer and a bias, all gathered."""
+    plans = [
+        LayerPlan("fc.weight", (40, 100), GATHER, TwoBitQuantizer(block_size=64)),
+        LayerPlan("fc.bias", (40,), DENSE, NoCompression()),
+        LayerPlan("out.weight", (10, 40), GATHER, TopK(ratio=0.1)),
+    ]
+    exchange = HyloExchange(ErrorFeedback(), ErrorFeedback(), "allgather", piece_numel=piece_numel)
+    exchange.calibrating = calibrating
+    messages = 0
+    original = torch.distributed.all_gather
+
+    def counted(*args: object, **kwargs: object) -> object:
+        nonlocal messages
+        messages += 1
+        return original(*args, **kwargs)
+
+    torch.distributed.all_gather = counted  # type: ignore[assignment]
+    try:
+        averages = []
+        for step in range(STEPS):
+            layers = [
+                LayerGradient(plan, _gradient(plan.shape, rank, step, salt).reshape(-1))
+                for salt, plan in enumerate(plans)
+            ]
+            exchange.average(layers)
+            averages.append([layer.gradient.clone() for layer in layers])
+    finally:
+        torch.distributed.all_gather = original
+    residuals = {name: exchange.memory.residual(name).clone() for name in exchange.memory}
+    return {"averages": averages, "residuals": residuals, "messages": messages / STEPS}
+
+
+def test_pipelined_pieces_give_the_one_piece_result_bit_for_bit() -> None:
+    """Pieces of whole blocks, each sent once encoded, change when bytes leave, not the values."""
+    whole = run_distributed(_pipelined, 2, None, False)
+    pieces = run_distributed(_pipelined, 2, 1000, False)
+    for rank in range(2):
+        for step in range(STEPS):
+            for got, expected in zip(pieces[rank]["averages"][step], whole[rank]["averages"][step]):
+                assert torch.equal(got, expected)
+        assert pieces[rank]["residuals"].keys() == whole[rank]["residuals"].keys()
+        for name, residual in whole[rank]["residuals"].items():
+            assert torch.equal(pieces[rank]["residuals"][name], residual)
+    # one message per bucket without pieces; with them the 4000-value layer is cut into pieces
+    # of 960 values (15 blocks of 64, at most 1000) and a message leaves once it holds 1000
+    # values or more: pieces 1-2, pieces 3-4, then piece 5 (160 values) with the top-k layer
+    assert whole[0]["messages"] == 1
+    assert pieces[0]["messages"] == 3
+
+
+def test_calibration_steps_send_every_layer_in_one_piece() -> None:
+    """The cost model reads bytes over seconds waited: on calibration steps nothing overlaps."""
+    calibrating = run_distributed(_pipelined, 2, 1000, True)
+    assert calibrating[0]["messages"] == 1
+
+
+def _two_phase_layouts(rank: int, world: int, layouts: list[int | None]) -> dict:
+    """One exchange per entry of ``layouts`` (its piece_numel) of a 2-bit layer (blocks of 64),
+    two-phase; then the layer turns dense and flushes what it kept into a zero gradient."""
+    plan = LayerPlan("fc.weight", (40, 100), TWO_BIT, TwoBitQuantizer(block_size=64))
+    exchange = HyloExchange(ErrorFeedback(), ErrorFeedback(), "two_phase")
+    messages = 0
+    original = torch.distributed.all_to_all_single
+
+    def counted(*args: object, **kwargs: object) -> object:
+        nonlocal messages
+        messages += 1
+        return original(*args, **kwargs)
+
+    torch.distributed.all_to_all_single = counted  # type: ignore[assignment]
+    averages = []
+    try:
+        for step, piece_numel in enumerate(layouts):
+            exchange.piece_numel = piece_numel
+            layer = LayerGradient(plan, _gradient(plan.shape, rank, step, 0).reshape(-1))
+            exchange.average([layer])
+            averages.append(layer.gradient.clone())
+    finally:
+        torch.distributed.all_to_all_single = original
+    keys = sorted(exchange.server_memory)
+    kept = LayerGradient(plan, torch.zeros(plan.numel))
+    exchange.flush(kept, world, rank)
+    return {"averages": averages, "kept": kept.gradient, "messages": messages, "keys": keys}
+
+
+def test_pipelined_two_phase_gives_the_one_piece_result_bit_for_bit() -> None:
+    """Pieces of whole blocks: every block is quantized by the workers, averaged and
+    re-quantized by its owner as in one piece; only which rank owns a block changes."""
+    whole = run_distributed(_two_phase_layouts, 3, [None] * STEPS)
+    pieces = run_distributed(_two_phase_layouts, 3, [1000] * STEPS)
+    for rank in range(3):
+        for got, expected in zip(pieces[rank]["averages"], whole[rank]["averages"]):
+            assert torch.equal(got, expected)
+    # what the ranks kept, averaged, is the same (held by other owners)
+    kept_whole = sum(result["kept"] for result in whole) / 3
+    kept_pieces = sum(result["kept"] for result in pieces) / 3
+    torch.testing.assert_close(kept_pieces, kept_whole, rtol=0, atol=1e-6)
+    assert whole[0]["messages"] == STEPS and pieces[0]["messages"] == 3 * STEPS
+
+
+def test_changing_pieces_loses_nothing() -> None:
+    """Second residuals of another layout join the gradient: every value sent or kept."""
+    layouts = [None, None, 1000, 1000, 640, None]
+    results = run_distributed(_two_phase_layouts, 3, layouts)
+    applied = sum(results[0]["averages"])
+    kept = sum(result["kept"] for result in results) / 3
+    true = (
+        sum(
+            _gradient((40, 100), rank, step, 0).reshape(-1)
+            for rank in range(3)
+            for step in range(len(layouts))
+        )
+        / 3
+    )
+    torch.testing.assert_close(applied + kept, true, rtol=0, atol=1e-5)
+    # the pieces' residuals were folded in when the layer went back to one piece
+    for rank, result in enumerate(results):
+        assert result["keys"] == [f"fc.weight@chunk{rank}of3"]
