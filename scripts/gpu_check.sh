@@ -4,14 +4,14 @@
 #
 #   bash scripts/gpu_check.sh tests    # pytest -m gpu: every strategy family and codec on CUDA
 #   bash scripts/gpu_check.sh codecs   # encode + decode per 10M floats, CPU against CUDA
-#   bash scripts/gpu_check.sh bench    # step time and samples/s of six strategies on CUDA
+#   bash scripts/gpu_check.sh bench    # step time, samples/s: 6 strategies (hylo twice), CUDA
 #   bash scripts/gpu_check.sh tests codecs   # several, in turn
 #
 # On a machine lent for 10 minutes a command, run them as four commands:
-#   GPU_TESTS='not resume' bash scripts/gpu_check.sh tests    # 11 fits, 8 codec checks
+#   GPU_TESTS='not resume' bash scripts/gpu_check.sh tests    # 12 fits, 8 codec checks
 #   GPU_TESTS=resume bash scripts/gpu_check.sh tests codecs   # 5 fit-and-resume, the codecs
-#   bash scripts/gpu_check.sh bench                           # six strategies on vgg_mini
-#   BENCH_MODELS=resnet18 bash scripts/gpu_check.sh bench     # the same six on resnet18
+#   bash scripts/gpu_check.sh bench                           # 6 strategies (hylo twice), vgg_mini
+#   BENCH_MODELS=resnet18 bash scripts/gpu_check.sh bench     # the same seven runs on resnet18
 # (GPU_TESTS is pytest's -k expression within the gpu tests.)
 #
 # Results (at most 8 files: logs and JSON) go to $OUT, or to ./gpu-results when OUT is unset.
@@ -63,7 +63,7 @@ run_bench() {
     "$PYTHON" -m lightning_parallel.cli bench --accelerator "${ACCELERATOR:-cuda}" \
       --network "${BENCH_NETWORK:-local}" --bandwidth 10gbit --latency 0 --hosts 2 \
       --model "$model" --max-steps "${BENCH_STEPS:-200}" --timeout 300 \
-      -s ddp -s hylo -s model_averaging -s parameter_server \
+      -s ddp -s hylo -s hylo:piece_numel=524288 -s model_averaging -s parameter_server \
       -s gropipe:stages=2 -s spectrain:stages=2 \
       --json "$OUT/bench_$model.json" "${plot[@]}" --log-dir "/tmp/lp-gpu-bench-$model" \
       2>&1 | tee "$OUT/bench_$model.txt" || status=1

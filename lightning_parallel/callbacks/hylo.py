@@ -36,7 +36,7 @@ from lightning_parallel.compat import check
 from lightning_parallel.compat.private import state_key as compat_state_key
 from lightning_parallel.compression import CostModel, HyloHook, HyloPolicy
 from lightning_parallel.compression.delta import CompressedDeltaMean
-from lightning_parallel.compression.exchange import PIECE_NUMEL, TWO_BIT_EXCHANGES
+from lightning_parallel.compression.exchange import TWO_BIT_EXCHANGES, check_piece_numel
 from lightning_parallel.compression.policy import MIN_COMPRESS_NUMEL
 
 __all__: list[str] = []
@@ -90,10 +90,11 @@ class HyloCompression(Callback):
             values sent, default) or ``"threshold"`` (``tau``, Hylo's literal ``{+tau, -tau, 0}``).
         block_size: values per 2-bit block, each with its own threshold and scale (default
             512: 1.6% more bytes than one scale per tensor); ``None``: one per tensor.
-        piece_numel: values per pipelined message of allgathered codes: a large 2-bit layer
-            is encoded, sent and decoded piece by piece, so that the link carries one piece
-            while the next is encoded (default 524288: 128 KiB of codes); ``None``: one
-            message per bucket.
+        piece_numel: values per pipelined piece of a large 2-bit layer: it is encoded, sent
+            and decoded piece by piece (allgather and two-phase alike), so that the link
+            carries one piece while the next is encoded; ``None``: one message per bucket;
+            ``"auto"`` (default): 524288 (128 KiB of codes) for CPU gradients, ``None`` for
+            CUDA ones (not measured there yet).
         policy: a ready :class:`~lightning_parallel.compression.HyloPolicy`; overrides
             ``codec``, ``conv_rate``, ``fc_bits``, ``threshold_factor``, ``min_compress_numel``,
             ``reconstruction``, ``block_size``.
@@ -120,17 +121,13 @@ class HyloCompression(Callback):
         overlap: bool | None = None,
         reconstruction: str = "mean",
         block_size: int | None = 512,
-        piece_numel: int | None = PIECE_NUMEL,
+        piece_numel: int | str | None = "auto",
         policy: HyloPolicy | None = None,
     ) -> None:
         check(self)  # this Lightning has every private name we use (compat.private)
         if exchange not in TWO_BIT_EXCHANGES:
             raise ValueError(f"exchange must be one of {TWO_BIT_EXCHANGES}, got {exchange!r}")
-        if piece_numel is not None and piece_numel < 1:
-            raise ValueError(
-                f"piece_numel must be a positive number of values, or None (one message per "
-                f"bucket), got {piece_numel}"
-            )
+        check_piece_numel(piece_numel)
         if warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
         if cost_model and calibration_steps < 1:

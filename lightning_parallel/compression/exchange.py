@@ -66,8 +66,33 @@ from lightning_parallel.compression.two_bit import TwoBitQuantizer
 __all__: list[str] = []
 
 TWO_BIT_EXCHANGES = ("auto", "two_phase", "allgather")
-#: values per pipelined message on the gather route (2-bit codes: 128 KiB, 10 ms at 100 Mbit/s)
+#: values per pipelined piece of a 2-bit layer (its codes: 128 KiB, 10 ms at 100 Mbit/s)
 PIECE_NUMEL = 1 << 19
+
+
+def check_piece_numel(setting: int | str | None) -> int | str | None:
+    """Return ``setting`` if it is ``"auto"``, ``None`` or a positive int; raise otherwise."""
+    if setting is None or setting == "auto":
+        return setting
+    if isinstance(setting, bool) or not isinstance(setting, int) or setting < 1:
+        raise ValueError(
+            f"piece_numel must be a positive number of values, None (each bucket in one "
+            f'message) or "auto" ({PIECE_NUMEL} for CPU gradients, None for CUDA ones), got '
+            f"{setting!r}"
+        )
+    return setting
+
+
+def resolve_piece_numel(setting: int | str | None, device: torch.device) -> int | None:
+    """The pieces for gradients on ``device``: ``"auto"`` pipelines on the CPU, where it was
+    measured, and not on CUDA, where it was not (each piece costs kernel launches and
+    collectives of its own)."""
+    if setting == "auto":
+        return PIECE_NUMEL if device.type == "cpu" else None
+    assert not isinstance(setting, str)
+    return setting
+
+
 _ALIGN = 8  # bytes: every payload segment starts aligned so it can be viewed as any dtype
 
 
@@ -193,8 +218,9 @@ class HyloExchange:
             once instead of twice; ``two_phase`` above).
         importance_dtype: dtype of the allreduced per-kernel norms (only their ranking matters).
         group: the process group (``None``: the default group).
-        piece_numel: values per pipelined message on the gather route (a large 2-bit layer
-            with blocks is cut into pieces of whole blocks); ``None``: one message per bucket.
+        piece_numel: values per pipelined piece of a large 2-bit layer with blocks (cut into
+            whole blocks), on the allgather and the two-phase routes alike; ``None``: every
+            layer in one piece, each bucket in one message.
     """
 
     def __init__(
@@ -206,10 +232,11 @@ class HyloExchange:
         group: Any = None,
         piece_numel: int | None = PIECE_NUMEL,
     ) -> None:
-        if piece_numel is not None and piece_numel < 1:
+        check_piece_numel(piece_numel)
+        if piece_numel == "auto":
             raise ValueError(
-                f"piece_numel must be a positive number of values, or None (one message per "
-                f"bucket), got {piece_numel}"
+                'piece_numel="auto" depends on the gradients\' device: pass '
+                "resolve_piece_numel(setting, device), a positive int or None"
             )
         if two_bit_exchange not in TWO_BIT_EXCHANGES:
             raise ValueError(
@@ -441,7 +468,7 @@ class HyloExchange:
             codec = layer.plan.codec
             assert isinstance(codec, TwoBitQuantizer)
             name = layer.plan.name
-            parts = self._pieces(layer)
+            parts = self._pieces(layer, chunks=world)
             keys = [_server_key(name, rank, world, part) for part in parts]
             self._fold_server_residuals(layer, world, rank, keep=keys)
             for part, key in zip(parts, keys):
@@ -553,14 +580,16 @@ class HyloExchange:
 
     # -- gather route (peer codecs, 2-bit allgather), in pipelined messages ------------------
 
-    def _pieces(self, layer: LayerGradient) -> list[slice | None]:
+    def _pieces(self, layer: LayerGradient, chunks: int = 1) -> list[slice | None]:
         """The parts of ``layer`` encoded one after another (``None``: the whole layer).
 
         Only a 2-bit layer with blocks is cut, into pieces of whole blocks: a block's codes,
         and in the two-phase exchange its owner's re-quantization, depend on that block alone,
         so the values are those of the whole layer. A peer codec's selection or scale spans its
         whole tensor. The pieces do not depend on calibration (the two-phase exchange keeps a
-        second residual per piece); only the messages do.
+        second residual per piece); only the messages do. ``chunks``: the two-phase exchange
+        cuts every piece into ``W`` chunks of whole blocks, so its pieces are a multiple of
+        ``W`` blocks (only the last one is padded).
         """
         codec = layer.plan.codec
         numel = layer.gradient.numel()
@@ -571,7 +600,8 @@ class HyloExchange:
             or numel <= self.piece_numel
         ):
             return [None]
-        step = max(1, self.piece_numel // codec.block_size) * codec.block_size
+        unit = chunks * codec.block_size
+        step = max(1, self.piece_numel // unit) * unit
         return [slice(start, min(numel, start + step)) for start in range(0, numel, step)]
 
     def _gather_payloads(

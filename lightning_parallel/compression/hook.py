@@ -41,10 +41,11 @@ from lightning_parallel.comm.devices import to_group
 from lightning_parallel.compression.cost_model import CostModel
 from lightning_parallel.compression.error_feedback import ErrorFeedback
 from lightning_parallel.compression.exchange import (
-    PIECE_NUMEL,
     HyloExchange,
     LayerGradient,
     LayerReport,
+    check_piece_numel,
+    resolve_piece_numel,
     ring_allreduce_bytes,
 )
 from lightning_parallel.compression.policy import DENSE, HyloPolicy, LayerPlan
@@ -72,9 +73,11 @@ class HyloHook:
             the backward pass (buckets still run one at a time, in order, so the collectives
             match across ranks). ``None``: on for CPU tensors, off for CUDA ones (NCCL
             already runs on its own stream); ``True`` with CUDA tensors raises.
-        piece_numel: values per pipelined message of the allgathered codes (large 2-bit
-            layers are encoded, sent and decoded piece by piece); ``None``: one message per
-            bucket (see :class:`~lightning_parallel.compression.HyloExchange`).
+        piece_numel: values per pipelined piece of a large 2-bit layer (encoded, sent and
+            decoded piece by piece, on the allgather and the two-phase routes); ``None``: one
+            message per bucket; ``"auto"`` (default): 524288 for CPU gradients, ``None`` for
+            CUDA ones, where it has not been measured (see
+            :class:`~lightning_parallel.compression.HyloExchange`).
 
     Example::
 
@@ -94,8 +97,9 @@ class HyloHook:
         process_group: Any = None,
         seed: int = 0,
         overlap: bool | None = None,
-        piece_numel: int | None = PIECE_NUMEL,
+        piece_numel: int | str | None = "auto",
     ) -> None:
+        self.piece_numel = check_piece_numel(piece_numel)
         if warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
         if cost_model is not None and calibration_steps < 1:
@@ -120,7 +124,7 @@ class HyloHook:
             self.server_memory,
             two_bit_exchange,
             group=process_group,
-            piece_numel=piece_numel,
+            piece_numel=None,  # set per bucket from the gradients' device
         )
         self.step = 0
         self.calls = 0
@@ -211,6 +215,7 @@ class HyloHook:
     ) -> torch.futures.Future[Tensor]:
         layers = self._layers(params, buffer)
         world = dist.get_world_size(self.process_group)
+        self.exchange.piece_numel = resolve_piece_numel(self.piece_numel, buffer.device)
         compressed = any(layer.plan.compressed for layer in layers)
         if self.compressing and compressed:
             calibrating = self._calibrating()

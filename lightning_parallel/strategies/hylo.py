@@ -22,7 +22,6 @@ from typing_extensions import override
 from lightning_parallel.callbacks.hylo import HyloCompression
 from lightning_parallel.compat import register_strategy
 from lightning_parallel.compat.private import attached_trainer
-from lightning_parallel.compression.exchange import PIECE_NUMEL
 from lightning_parallel.compression.policy import MIN_COMPRESS_NUMEL
 from lightning_parallel.strategies.arguments import as_bool, optional_bool
 from lightning_parallel.strategies.base import ParallelStrategyBase
@@ -54,8 +53,8 @@ class HyloStrategy(ParallelStrategyBase):
         reconstruction: ``"mean"`` or ``"threshold"``: what 2-bit codes decode to.
         block_size: values per 2-bit block with its own threshold and scale (default 512;
             ``"none"``: one per tensor).
-        piece_numel: values per pipelined message of allgathered 2-bit codes (default
-            524288; ``"none"``: one message per bucket).
+        piece_numel: values per pipelined piece of a large 2-bit layer (``"auto"``, the
+            default: 524288 on CPU, none on CUDA; ``"none"``: one message per bucket).
         start_method: ``"popen"``, ``"spawn"``, ``"fork"`` or ``"forkserver"`` (DDPStrategy's).
         **kwargs: passed to :class:`~pytorch_lightning.strategies.DDPStrategy`.
     """
@@ -77,7 +76,7 @@ class HyloStrategy(ParallelStrategyBase):
         overlap: bool | str | None = None,
         reconstruction: str = "mean",
         block_size: int | str | None = 512,
-        piece_numel: int | str | None = PIECE_NUMEL,
+        piece_numel: int | str | None = "auto",
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         **kwargs: Any,
     ) -> None:
@@ -100,7 +99,7 @@ class HyloStrategy(ParallelStrategyBase):
             overlap=optional_bool("overlap", overlap),
             reconstruction=reconstruction,
             block_size=None if block_size in (None, "none", "None") else int(block_size),
-            piece_numel=None if piece_numel in (None, "none", "None") else int(piece_numel),
+            piece_numel=_piece_numel(piece_numel),
         )
 
     @property
@@ -121,6 +120,20 @@ class HyloStrategy(ParallelStrategyBase):
         trainer: Any = module.trainer
         if not any(isinstance(callback, HyloCompression) for callback in trainer.callbacks):
             trainer.callbacks.append(self.hylo)
+
+
+def _piece_numel(value: int | str | None) -> int | str | None:
+    """``piece_numel`` as a command line gives it: ``"auto"``, ``"none"`` or a number."""
+    if value in (None, "none", "None"):
+        return None
+    if value == "auto" or isinstance(value, int):
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(
+            f'piece_numel must be a positive number of values, "none" or "auto", got {value!r}'
+        ) from None
 
 
 register_strategy(

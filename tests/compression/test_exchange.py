@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import pytest
 import torch
 from helpers.distributed import run_distributed
@@ -38,6 +41,12 @@ def _run_exchange(
 ) -> list[list[torch.Tensor]]:
     """Every rank exchanges STEPS steps of its own gradients; returns the averages per step."""
     exchange = HyloExchange(ErrorFeedback(), ErrorFeedback(), mode, importance_dtype)
+    return _exchange_steps(exchange, plans, rank)
+
+
+def _exchange_steps(
+    exchange: HyloExchange, plans: list[LayerPlan], rank: int
+) -> list[list[torch.Tensor]]:
     results = []
     for step in range(STEPS):
         layers = [
@@ -223,6 +232,23 @@ def test_auto_exchange_allgathers_at_two_ranks_and_goes_two_phase_above(
             assert torch.equal(auto[rank][step][0], reference[rank][step][0])
 
 
+@contextlib.contextmanager
+def _counting(name: str) -> Iterator[list[int]]:
+    """Count the calls of ``torch.distributed.<name>`` inside the block (in ``calls[0]``)."""
+    calls = [0]
+    original = getattr(torch.distributed, name)
+
+    def counted(*args: object, **kwargs: object) -> object:
+        calls[0] += 1
+        return original(*args, **kwargs)
+
+    setattr(torch.distributed, name, counted)
+    try:
+        yield calls
+    finally:
+        setattr(torch.distributed, name, original)
+
+
 def _pipelined(rank: int, world: int, piece_numel: int | None, calibrating: bool) -> dict:
     """STEPS exchanges of a 2-bit layer (blocks of 64), a top-k layer and a bias, all gathered."""
     plans = [
@@ -232,28 +258,10 @@ def _pipelined(rank: int, world: int, piece_numel: int | None, calibrating: bool
     ]
     exchange = HyloExchange(ErrorFeedback(), ErrorFeedback(), "allgather", piece_numel=piece_numel)
     exchange.calibrating = calibrating
-    messages = 0
-    original = torch.distributed.all_gather
-
-    def counted(*args: object, **kwargs: object) -> object:
-        nonlocal messages
-        messages += 1
-        return original(*args, **kwargs)
-
-    torch.distributed.all_gather = counted  # type: ignore[assignment]
-    try:
-        averages = []
-        for step in range(STEPS):
-            layers = [
-                LayerGradient(plan, _gradient(plan.shape, rank, step, salt).reshape(-1))
-                for salt, plan in enumerate(plans)
-            ]
-            exchange.average(layers)
-            averages.append([layer.gradient.clone() for layer in layers])
-    finally:
-        torch.distributed.all_gather = original
+    with _counting("all_gather") as messages:
+        averages = _exchange_steps(exchange, plans, rank)
     residuals = {name: exchange.memory.residual(name).clone() for name in exchange.memory}
-    return {"averages": averages, "residuals": residuals, "messages": messages / STEPS}
+    return {"averages": averages, "residuals": residuals, "messages": messages[0] / STEPS}
 
 
 def test_pipelined_pieces_give_the_one_piece_result_bit_for_bit() -> None:
@@ -274,7 +282,7 @@ def test_pipelined_pieces_give_the_one_piece_result_bit_for_bit() -> None:
     assert pieces[0]["messages"] == 3
 
 
-def test_calibration_steps_send_every_layer_in_one_piece() -> None:
+def test_calibration_steps_send_a_bucket_in_one_message() -> None:
     """The cost model reads bytes over seconds waited: on calibration steps nothing overlaps."""
     calibrating = run_distributed(_pipelined, 2, 1000, True)
     assert calibrating[0]["messages"] == 1
@@ -285,28 +293,17 @@ def _two_phase_layouts(rank: int, world: int, layouts: list[int | None]) -> dict
     two-phase; then the layer turns dense and flushes what it kept into a zero gradient."""
     plan = LayerPlan("fc.weight", (40, 100), TWO_BIT, TwoBitQuantizer(block_size=64))
     exchange = HyloExchange(ErrorFeedback(), ErrorFeedback(), "two_phase")
-    messages = 0
-    original = torch.distributed.all_to_all_single
-
-    def counted(*args: object, **kwargs: object) -> object:
-        nonlocal messages
-        messages += 1
-        return original(*args, **kwargs)
-
-    torch.distributed.all_to_all_single = counted  # type: ignore[assignment]
     averages = []
-    try:
+    with _counting("all_to_all_single") as messages:
         for step, piece_numel in enumerate(layouts):
             exchange.piece_numel = piece_numel
             layer = LayerGradient(plan, _gradient(plan.shape, rank, step, 0).reshape(-1))
             exchange.average([layer])
             averages.append(layer.gradient.clone())
-    finally:
-        torch.distributed.all_to_all_single = original
     keys = sorted(exchange.server_memory)
     kept = LayerGradient(plan, torch.zeros(plan.numel))
     exchange.flush(kept, world, rank)
-    return {"averages": averages, "kept": kept.gradient, "messages": messages, "keys": keys}
+    return {"averages": averages, "kept": kept.gradient, "messages": messages[0], "keys": keys}
 
 
 def test_pipelined_two_phase_gives_the_one_piece_result_bit_for_bit() -> None:

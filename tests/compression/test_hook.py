@@ -12,6 +12,7 @@ from helpers.distributed import run_distributed
 from torch import nn
 
 from lightning_parallel.compression import CostModel, HyloHook, HyloPolicy
+from lightning_parallel.compression.exchange import PIECE_NUMEL, resolve_piece_numel
 
 
 def _model() -> nn.Module:
@@ -234,3 +235,60 @@ def _failing_exchange(rank: int, world: int) -> str:
 def test_an_error_on_the_background_thread_raises_in_backward_instead_of_hanging() -> None:
     messages = run_distributed(_failing_exchange, 2, timeout=60)
     assert all("codec exploded" in message for message in messages)
+
+
+def _pieces_through_the_hook(
+    rank: int, world: int, mode: str, piece_numel: int | None
+) -> dict[str, Any]:
+    """Four DDP steps with the 2-bit layer (8192 weights, blocks of 512) cut into pieces."""
+    ddp = _ddp(_model())
+    hook = HyloHook(
+        ddp.module.named_parameters(),
+        _policy(),
+        two_bit_exchange=mode,
+        overlap=True,
+        piece_numel=piece_numel,
+    )
+    hook.register(ddp)
+    calls = {"all_gather": 0, "all_to_all_single": 0}
+    originals = {name: getattr(dist, name) for name in calls}
+
+    def counter(name: str) -> Any:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            calls[name] += 1
+            return originals[name](*args, **kwargs)
+
+        return counted
+
+    for name in calls:
+        setattr(dist, name, counter(name))
+    try:
+        grads = [_step(ddp, rank, step) for step in range(4)]
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+    return {"grads": grads, "calls": calls}
+
+
+@pytest.mark.parametrize(("mode", "world"), [("allgather", 2), ("two_phase", 3)])
+def test_the_hook_pipelines_pieces_with_the_same_gradients(mode: str, world: int) -> None:
+    whole = run_distributed(_pieces_through_the_hook, world, mode, None)
+    pieces = run_distributed(_pieces_through_the_hook, world, mode, 1024)
+    for rank in range(world):
+        for expected, got in zip(whole[rank]["grads"], pieces[rank]["grads"]):
+            assert all(torch.equal(a, b) for a, b in zip(expected, got))
+    # the 2-bit layer's collectives: one per step in one piece, one per piece of 1024 values
+    # (2 blocks; two-phase: 1536, 3 blocks, one per rank's chunk) with pieces
+    route = "all_gather" if mode == "allgather" else "all_to_all_single"
+    expected_messages = 8192 // 1024 if mode == "allgather" else -(-8192 // 1536)
+    assert whole[0]["calls"][route] == 4
+    assert pieces[0]["calls"][route] == 4 * expected_messages
+
+
+def test_piece_numel_auto_pipelines_cpu_gradients_only() -> None:
+    assert resolve_piece_numel("auto", torch.device("cpu")) == PIECE_NUMEL
+    assert resolve_piece_numel("auto", torch.device("cuda", 0)) is None
+    assert resolve_piece_numel(4096, torch.device("cuda", 0)) == 4096
+    for wrong in (0, -5, "many", 2.5):
+        with pytest.raises(ValueError, match="piece_numel must be"):
+            HyloHook(_model().named_parameters(), piece_numel=wrong)  # type: ignore[arg-type]

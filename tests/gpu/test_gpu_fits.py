@@ -51,6 +51,8 @@ def _strategy(family: str, where: dict[str, Any]) -> tuple[Any, dict[str, Any], 
         return DDPStrategy(**common), {}, []
     if family == "hylo":
         return HyloStrategy(**hylo, **common), {}, []
+    if family == "hylo_pieces":  # the 8192-weight layer in 8 pipelined pieces (auto: none)
+        return HyloStrategy(**hylo, piece_numel=1024, **common), {}, []
     if family == "hylo_callback":
         return DDPStrategy(**common), {}, [HyloCompression(**hylo)]
     if family == "parameter_server":
@@ -73,6 +75,7 @@ def _strategy(family: str, where: dict[str, Any]) -> tuple[Any, dict[str, Any], 
 FAMILIES = [
     "ddp",
     "hylo",
+    "hylo_pieces",
     "hylo_callback",
     "preset:model_averaging",
     "preset:local_sgd",
