@@ -476,10 +476,9 @@ class HyloExchange:
                 p = self.memory.compensate_(name, layer.gradient, part)
                 chunk = two_phase_chunk(p.numel(), world, codec.block_size or 16)
                 # The codes live in a zeroed buffer of W chunks: the padding stays code 0.
-                at = 0 if part is None else part.start
+                at = _start(part)
                 codes = self._buffer(f"{name}/codes@{at}", (world * chunk,), torch.int8, p.device)
-                workspace = self._workspace(name, layer.gradient)
-                workspace = workspace if part is None else workspace[part]
+                workspace = _part(self._workspace(name, layer.gradient), part)
                 _, scale = codec.quantize_(p, workspace, codes_out=codes)  # p: the residual
                 words = pack_2bit(codes.view(torch.uint8).view(world, chunk))  # (W, chunk / 16)
                 scale_bits = _chunk_scales(codec, scale, world, chunk).view(torch.int32)
@@ -563,14 +562,14 @@ class HyloExchange:
             block_scales = gathered[:, offset : offset + per_chunk].contiguous()
             block_scales = block_scales.view(torch.float32)  # (W, scales per chunk)
             # (W, chunk) int8: row j holds chunk j as re-quantized by its owner, rank j
-            at = 0 if piece.part is None else piece.part.start
+            at = _start(piece.part)
             shape = (world, 16 * words)
             key = f"{layer.plan.name}/decoded@{at}"
             buffer = self._buffer(key, shape, torch.int8, gathered.device)
             block = gathered[:, offset + per_chunk : offset + per_chunk + words]
             signs = codec.signs_from_words(block, chunk, out=buffer)
             offset += per_chunk + words
-            gradient = layer.gradient if piece.part is None else layer.gradient[piece.part]
+            gradient = _part(layer.gradient, piece.part)
             for owner in range(world):  # a loop over ranks; each step whole-tensor
                 start, stop = owner * chunk, min(piece.numel, (owner + 1) * chunk)
                 if stop > start:
@@ -617,12 +616,10 @@ class HyloExchange:
                 clock.start()
                 name, codec = layer.plan.name, layer.plan.codec
                 p = self.memory.compensate_(name, layer.gradient, part)
-                workspace = self._workspace(name, layer.gradient)
-                if part is None:
-                    # p becomes the residual, what was not sent
-                    encoded = codec.encode_(p.view(layer.plan.shape), workspace)
-                else:
-                    encoded = codec.encode_(p, workspace[part])
+                # p becomes the residual, what was not sent (a whole layer keeps its shape)
+                shaped = p.view(layer.plan.shape) if part is None else p
+                workspace = _part(self._workspace(name, layer.gradient), part)
+                encoded = codec.encode_(shaped, workspace)
                 pending.append((layer, part, encoded))
                 filled += p.numel()
                 clock.reports[name].bytes_sent += (world - 1) * encoded.nbytes()
@@ -650,12 +647,10 @@ class HyloExchange:
         for layer, part, encoded in message.pieces:
             clock.start()
             count = len(encoded.payload)
-            target = layer.gradient if part is None else layer.gradient[part]
+            target = _part(layer.gradient, part)
             target.zero_()
             # the layer's encode workspace is free again: the codec may decode into it
-            workspace = self._workspace(layer.plan.name, layer.gradient)
-            if part is not None:
-                workspace = workspace[part]
+            workspace = _part(self._workspace(layer.plan.name, layer.gradient), part)
             for tensors in per_rank:  # a loop over ranks; each decode is whole-tensor
                 payload = tensors[start : start + count]
                 layer.plan.codec.decode_add_(Encoded(payload, encoded.context), target, workspace)
@@ -710,6 +705,16 @@ class _ChunkMessage:
     work: Any  # round 1's all_to_all
     gathered: list[Tensor] = field(default_factory=list)  # round 2: every owner's chunks
     gathering: Any = None  # round 2's allgather
+
+
+def _part(tensor: Tensor, part: slice | None) -> Tensor:
+    """The values of a piece (``None``: the whole tensor)."""
+    return tensor if part is None else tensor[part]
+
+
+def _start(part: slice | None) -> int:
+    """Where a piece starts in its layer (``None``: the whole layer, at 0)."""
+    return 0 if part is None else part.start
 
 
 def _server_key(name: str, rank: int, world: int, part: slice | None) -> str:
