@@ -12,9 +12,16 @@
 #   GPU_TESTS=resume bash scripts/gpu_check.sh tests codecs   # 5 fit-and-resume, the codecs
 #   bash scripts/gpu_check.sh bench                           # 6 strategies (hylo twice), vgg_mini
 #   BENCH_MODELS=resnet18 bash scripts/gpu_check.sh bench     # the same seven runs on resnet18
-# (GPU_TESTS is pytest's -k expression within the gpu tests.)
+# (GPU_TESTS is pytest's -k expression within the gpu tests.) On a lease of 15 minutes in all,
+# run everything as one command instead, the tests spread over pytest-xdist workers:
+#   GPU_TEST_WORKERS=10 BENCH_MODELS='vgg_mini resnet18' bash scripts/gpu_check.sh all archive
+# GPU_TEST_WORKERS: pytest-xdist workers for the tests (ignored where xdist is missing);
+# TESTS_TIMEOUT: seconds for the whole test run (default: none); BENCH_RUN_TIMEOUT: seconds per
+# bench run (default 300); BENCH_SPECS: the bench's specs instead of the seven below.
+# `archive` packs the text logs and the bench's worker logs into $OUT/logs.tar.gz (the
+# JSON and the test log stay beside it), so that the results fit in 8 files.
 #
-# Results (at most 8 files: logs and JSON) go to $OUT, or to ./gpu-results when OUT is unset.
+# Results (at most 8 files: logs, JSON and the archive) go to $OUT, or to ./gpu-results when OUT is unset.
 # The bench runs its hosts on loopback (--network local: unshaped, so it times the GPU's
 # compute and each strategy's own overheads); BENCH_NETWORK=netns puts them behind shaped links
 # instead (root, ip and tc needed). BENCH_STEPS and BENCH_MODELS override the steps per run
@@ -30,22 +37,29 @@ status=0
 
 environment() {
   "$PYTHON" - <<'EOF' 2>&1 | tee "$OUT/environment.txt"
-import importlib, torch
+import importlib, importlib.metadata, torch
+import subprocess
+print(subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout if torch.cuda.is_available() else "no nvidia-smi run")
 print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())
 for index in range(torch.cuda.device_count()):
     print(f"gpu {index}:", torch.cuda.get_device_name(index))
 for name in ("pytorch_lightning", "lightning", "torchmetrics", "cloudpickle", "pytest", "rich"):
     try:
-        print(name, importlib.import_module(name).__version__)
-    except ImportError as error:
+        importlib.import_module(name)
+        print(name, importlib.metadata.version(name.replace("_", "-")))
+    except (ImportError, importlib.metadata.PackageNotFoundError) as error:
         print(name, "MISSING:", error)
 EOF
 }
 
 run_tests() {
-  local select=()
+  local select=() workers=()
   [ -n "${GPU_TESTS:-}" ] && select=(-k "$GPU_TESTS")
-  "$PYTHON" -m pytest -m gpu "${select[@]}" -p no:cacheprovider -v -rs 2>&1 \
+  if [ -n "${GPU_TEST_WORKERS:-}" ] && "$PYTHON" -c "import xdist" 2>/dev/null; then
+    workers=(-n "$GPU_TEST_WORKERS")
+  fi
+  timeout --kill-after=10 "${TESTS_TIMEOUT:-0}" \
+    "$PYTHON" -m pytest -m gpu "${select[@]}" "${workers[@]}" -p no:cacheprovider -v -rs 2>&1 \
     | tee "$OUT/gpu_tests.log" || status=1
 }
 
@@ -57,23 +71,32 @@ run_codecs() {
 }
 
 run_bench() {
-  local model plot=()
+  local model spec plot=() specs=()
+  for spec in ${BENCH_SPECS:-ddp hylo hylo:piece_numel=524288 model_averaging parameter_server \
+    gropipe:stages=2 spectrain:stages=2}; do
+    specs+=(-s "$spec")
+  done
   for model in ${BENCH_MODELS:-vgg_mini}; do
     [ "${BENCH_PLOT:-0}" = 1 ] && plot=(--plot "$OUT/bench_$model.png")
     "$PYTHON" -m lightning_parallel.cli bench --accelerator "${ACCELERATOR:-cuda}" \
       --network "${BENCH_NETWORK:-local}" --bandwidth 10gbit --latency 0 --hosts 2 \
-      --model "$model" --max-steps "${BENCH_STEPS:-200}" --timeout 300 \
-      -s ddp -s hylo -s hylo:piece_numel=524288 -s model_averaging -s parameter_server \
-      -s gropipe:stages=2 -s spectrain:stages=2 \
-      --json "$OUT/bench_$model.json" "${plot[@]}" --log-dir "/tmp/lp-gpu-bench-$model" \
+      --model "$model" --max-steps "${BENCH_STEPS:-200}" --timeout "${BENCH_RUN_TIMEOUT:-300}" \
+      "${specs[@]}" --json "$OUT/bench_$model.json" "${plot[@]}" --log-dir "/tmp/lp-gpu-bench-$model" \
       2>&1 | tee "$OUT/bench_$model.txt" || status=1
   done
+}
+
+archive() {  # the text logs and the bench's worker logs into one file; JSON and the test log stay
+  tar -czf /tmp/lp-gpu-logs.tar.gz "$OUT" /tmp/lp-gpu-bench-* 2>/dev/null
+  rm -f "$OUT"/*.txt
+  mv /tmp/lp-gpu-logs.tar.gz "$OUT/logs.tar.gz"
+  ls -l "$OUT"
 }
 
 [ $# -gt 0 ] || set -- all
 for what in "$@"; do
   case "$what" in
-    tests | codecs | bench | all) ;;
+    tests | codecs | bench | all | archive) ;;
     *) echo "usage: $0 [tests|codecs|bench|all ...]" >&2; exit 2 ;;
   esac
 done
@@ -84,6 +107,7 @@ for what in "$@"; do
     codecs) run_codecs ;;
     bench) run_bench ;;
     all) run_tests; run_codecs; run_bench ;;
+    archive) archive ;;
   esac
 done
 exit $status

@@ -449,7 +449,7 @@ class ReplicaAveraging:
     def local_state_dict(self) -> dict[str, Any]:
         """This rank's own state: its replica, its optimizers' state and the round in flight."""
         self._wait_in_flight()
-        local = {id(tensor): copy for tensor, copy in self._swapped or []}
+        local = {id(tensor): saved for tensor, saved in self._swapped or []}
         model = _detached_copy(self.module.state_dict(keep_vars=True), local)
         pending = None
         if self._round is not None:

@@ -53,6 +53,7 @@ from pytorch_lightning.plugins.precision import MixedPrecision
 from pytorch_lightning.trainer.states import TrainerFn
 from torch import Tensor, nn
 from torch.distributed.constants import default_pg_timeout as DEFAULT_TIMEOUT
+from torchmetrics import Metric
 from typing_extensions import override
 
 from lightning_parallel.comm.devices import broadcast_, side_group, to_group
@@ -904,6 +905,10 @@ class PipelineStrategyBase(ParallelStrategyBase):
     @override
     def teardown(self) -> None:
         self._pipeline = None
+        # the next run (validate after fit) takes the layers anew: these may be layers an
+        # engine replaced for this run (GroPipe's deferred BatchNorm), holding tensors the
+        # model no longer has once a device move (CUDA to CPU and back) replaced them
+        self._layers = None
         module = self.lightning_module
         if module is None or not is_deferred(module):
             super().teardown()
@@ -937,7 +942,9 @@ def _check_forward_is_layers(module: nn.Module, body: nn.Module, example: tuple[
 
 
 def _move_real(model: nn.Module, device: torch.device) -> nn.Module:
-    """``model.to(device)`` for every tensor that is not on the meta device."""
+    """``model.to(device)`` for every tensor that is not on the meta device, torchmetrics'
+    states included (Lightning's ``model.to`` moves them; a metric left on the CPU fails its
+    first update with CUDA inputs)."""
     with torch.no_grad():
         for module in model.modules():
             for slots in (module._parameters, module._buffers):
@@ -948,6 +955,11 @@ def _move_real(model: nn.Module, device: torch.device) -> nn.Module:
                     if isinstance(tensor, nn.Parameter):
                         moved = nn.Parameter(moved, requires_grad=tensor.requires_grad)
                     slots[name] = moved  # type: ignore[assignment]
+        for module in model.modules():
+            # its states are neither parameters nor buffers (a metric of another stage's rank
+            # has meta buffers: it is not used there, and stays)
+            if isinstance(module, Metric) and not is_deferred(module):
+                module.to(device)
     return model
 
 

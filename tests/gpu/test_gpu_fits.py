@@ -149,3 +149,18 @@ def test_gpu_resume(family: str, tmp_path: Path) -> None:
     # optimizer steps an epoch, 8 in all
     saved = torch.load(tmp_path / "resumed" / "last.ckpt", map_location="cpu", weights_only=False)
     assert (saved["epoch"], saved["global_step"]) == (1, 8)
+
+
+@pytest.mark.parametrize("name", ["gropipe", "spectrain"])
+def test_gpu_validate_after_fit_in_the_same_processes(name: str) -> None:
+    """The bench's order on CUDA: fit, then validate with the same Trainer in each rank's own
+    process (gloo, both ranks on GPU 0). Failed on an H200 before the fix: a stale layer of the
+    first run (GroPipe), a torchmetrics metric left on the CPU (SpecTrain)."""
+    from helpers.distributed import run_distributed
+    from helpers.pipelines import fit_then_validate
+
+    results = run_distributed(
+        fit_then_validate, 2, name, "cuda", init_group=False, start_method="spawn", timeout=300
+    )
+    last = [r[0] for r in results if r and r[0]]
+    assert last and all(math.isfinite(m["val_loss"]) and 0 <= m["val_acc"] <= 1 for m in last)

@@ -9,16 +9,24 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
+from torchmetrics.classification import MulticlassAccuracy
 
 
 class ConvBatchNormNet(pl.LightningModule):
     """Convolution, BatchNorm and two linear layers on 1x8x8 inputs, 4 classes: every Hylo
     route and BatchNorm statistics. Given ``device_type``, a training step on another device
-    fails."""
+    fails; with ``metric``, validation also updates and logs a torchmetrics accuracy."""
 
-    def __init__(self, channels: int = 4, hidden: int = 32, device_type: str | None = None) -> None:
+    def __init__(
+        self,
+        channels: int = 4,
+        hidden: int = 32,
+        device_type: str | None = None,
+        metric: bool = False,
+    ) -> None:
         super().__init__()
         self.device_type = device_type
+        self.accuracy = MulticlassAccuracy(num_classes=4) if metric else None
         self.layers = nn.Sequential(
             nn.Conv2d(1, channels, 3, padding=1),
             nn.BatchNorm2d(channels),
@@ -43,7 +51,11 @@ class ConvBatchNormNet(pl.LightningModule):
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         x, y = batch
-        self.log("val_loss", F.cross_entropy(self(x), y), sync_dist=True)
+        logits = self(x)
+        self.log("val_loss", F.cross_entropy(logits, y), sync_dist=True)
+        if self.accuracy is not None:
+            self.accuracy(logits, y)
+            self.log("val_acc", self.accuracy)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)

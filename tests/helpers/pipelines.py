@@ -1,0 +1,39 @@
+"""A pipeline strategy's second run in the same rank processes, for the CPU and GPU tests."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytorch_lightning as pl
+
+from helpers.models import ConvBatchNormNet, image_loader
+from helpers.trainers import QUIET
+
+
+def fit_then_validate(rank: int, world: int, name: str, accelerator: str) -> list[dict[str, float]]:
+    """``fit`` then ``validate`` with the same Trainer, one process per "host" (as the bench
+    runs them): ``name`` is ``gropipe`` or ``spectrain``, two stages; gloo (two ranks may share
+    one GPU). Returns what ``validate`` returned on this rank."""
+    from lightning_parallel.strategies.gropipe import GroPipeStrategy
+    from lightning_parallel.strategies.spectrain import SpecTrainStrategy
+
+    os.environ.update(LOCAL_RANK="0", NODE_RANK=str(rank))
+    common: dict[str, Any] = {"stages": 2, "process_group_backend": "gloo"}
+    strategy = (
+        GroPipeStrategy(micro_batches=2, **common)
+        if name == "gropipe"
+        else SpecTrainStrategy(**common)
+    )
+    trainer = pl.Trainer(
+        accelerator=accelerator,
+        devices=1,
+        num_nodes=world,
+        strategy=strategy,
+        max_steps=4,
+        num_sanity_val_steps=0,
+        **QUIET,
+    )
+    model = ConvBatchNormNet(channels=8, hidden=64, device_type=accelerator, metric=True)
+    trainer.fit(model, image_loader(128, 16))
+    return trainer.validate(model, image_loader(64, 16), verbose=False)

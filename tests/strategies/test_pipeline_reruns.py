@@ -1,0 +1,71 @@
+"""A second Lightning run in the same rank processes (``trainer.validate`` after ``fit``, as the
+bench and a user's script do) after device moves. On CUDA, Lightning's teardown moves the module
+to the CPU and the next run's setup moves it back: every move makes new tensors (buffers, and the
+parameters the pipeline moves itself). On the CPU a move to the same device keeps them, so these
+tests renew them where a CUDA run would. Both failed on a GPU before the fix (a stale BatchNorm
+layer of the first run: ``KeyError`` in ``take_ownership``; a torchmetrics metric left behind on
+the CPU)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+import torchmetrics
+from helpers.distributed import run_distributed
+from helpers.pipelines import fit_then_validate
+from torch import nn
+
+from lightning_parallel.strategies import pipeline_base
+
+pytestmark = pytest.mark.slow
+
+
+def _renew_tensors(model: nn.Module, device: torch.device | None = None) -> None:
+    """What a move between devices does: every real parameter and buffer a new tensor."""
+    with torch.no_grad():
+        for module in model.modules():
+            for slots in (module._parameters, module._buffers):
+                for name, tensor in list(slots.items()):
+                    if tensor is None or tensor.is_meta:
+                        continue
+                    renewed = tensor.clone()
+                    if isinstance(tensor, nn.Parameter):
+                        renewed = nn.Parameter(renewed, requires_grad=tensor.requires_grad)
+                    slots[name] = renewed  # type: ignore[assignment]
+
+
+def _fit_then_validate(rank: int, world: int, name: str) -> dict[str, Any]:
+    metric_moves: list[int] = []  # per pipeline move: how many metrics moved with it
+    move_real, metric_apply = pipeline_base._move_real, torchmetrics.Metric._apply
+    applied: list[torchmetrics.Metric] = []
+
+    def counted_apply(self: torchmetrics.Metric, *args: Any, **kwargs: Any) -> Any:
+        applied.append(self)
+        return metric_apply(self, *args, **kwargs)
+
+    def moving(model: nn.Module, device: torch.device) -> nn.Module:  # as CUDA's moves do
+        applied.clear()
+        move_real(model, device)
+        metric_moves.append(len(applied))
+        _renew_tensors(model)
+        return model
+
+    torchmetrics.Metric._apply = counted_apply  # type: ignore[method-assign]
+    pipeline_base._move_real = moving
+    validated = fit_then_validate(rank, world, name, "cpu")
+    return {"validated": validated, "metric_moves": metric_moves}
+
+
+@pytest.mark.parametrize("name", ["gropipe", "spectrain"])
+def test_validate_after_fit_in_the_same_processes(name: str) -> None:
+    results = run_distributed(_fit_then_validate, 2, name, init_group=False, timeout=120)
+    last = [r["validated"][0] for r in results if r["validated"] and r["validated"][0]]
+    assert last, "no rank reported validation metrics"
+    for metrics in last:
+        assert math.isfinite(metrics["val_loss"]) and 0.0 <= metrics["val_acc"] <= 1.0
+    for result in results:  # fit's teardown, validate's setup and teardown moved the metric too
+        assert len(result["metric_moves"]) >= 3
+        assert all(count >= 1 for count in result["metric_moves"])
