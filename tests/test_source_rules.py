@@ -3,20 +3,31 @@
 from __future__ import annotations
 
 import ast
+import builtins
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "lightning_parallel"
 
 
 def _module_names(tree: ast.Module) -> set[str]:
-    names: set[str] = set()
-    for node in tree.body:
+    """Names bound at module level (also inside module-level ``if`` and ``try`` blocks), and
+    the builtins: a comprehension variable named like either shadows it under PEP 709."""
+    names = set(dir(builtins))
+    pending: list[ast.stmt] = list(tree.body)
+    while pending:
+        node = pending.pop()
         if isinstance(node, ast.Import | ast.ImportFrom):
             names.update((alias.asname or alias.name).split(".")[0] for alias in node.names)
         elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
             names.add(node.name)
-        elif isinstance(node, ast.Assign):
-            names.update(target.id for target in node.targets if isinstance(target, ast.Name))
+        elif isinstance(node, ast.Assign | ast.AnnAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for target in targets:
+                names.update(n.id for n in ast.walk(target) if isinstance(n, ast.Name))
+        elif isinstance(node, ast.If | ast.Try | ast.With):
+            for field in ("body", "orelse", "finalbody", "handlers"):
+                for child in getattr(node, field, []):
+                    pending.extend(child.body if isinstance(child, ast.ExceptHandler) else [child])
     return names
 
 

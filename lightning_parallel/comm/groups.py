@@ -7,13 +7,20 @@ group of this package is made by :func:`new_group`, which applies :func:`group_t
 value the strategy set with :func:`set_group_timeout` when it created the default group (one
 strategy per process), or torch's default where none was set (plain-torch use of the cores).
 
-It also steps around a torch defect seen on a GPU (torch 2.11, and still in 2.13's source): when
-the default group is bound to a device (Lightning passes ``device_id`` on CUDA) and its backend
-is gloo (two ranks sharing one GPU), ``new_group`` makes every rank outside the new group call
-``perform_nocolor_split`` on the gloo backend, which gloo advertises (``supports_splitting``)
-but does not have: ``AttributeError`` at the first pipeline subgroup. :func:`new_group` unbinds
-the default group for the call in that case only (see :func:`_unsplittable_binding`), so the
-subgroup is created the ordinary way, by a rendezvous of its members.
+It also steps around torch's split of new groups. When the default group is bound to a device
+(Lightning passes ``device_id`` on CUDA), torch creates a new group by splitting the default
+group's backend for that device, and every rank outside the new group calls the backend's
+``perform_nocolor_split``. That goes wrong in three cases, and :func:`new_group` unbinds the
+default group for the call in each (see :func:`_split_that_cannot_work`), so the group is
+made the ordinary way, by a rendezvous of its members:
+
+- the backend is gloo (two ranks sharing one GPU): gloo advertises ``supports_splitting``
+  but has no ``perform_nocolor_split``, so the first pipeline subgroup raised
+  ``AttributeError`` (seen on a GPU under torch 2.11; 2.13's gloo lacks it too);
+- the new group asks for another backend (a gloo side group next to an NCCL default group):
+  its members build gloo without splitting while the others would split NCCL's communicator,
+  a collective the members never join;
+- only the members call (``members_only``): the others cannot take part in a split.
 """
 
 from __future__ import annotations
@@ -60,7 +67,7 @@ def new_group(
         members_only: only the members of ``ranks`` call it (torch's
             ``use_local_synchronization``): for a group of survivors, when other ranks are gone.
     """
-    with _unsplittable_binding():
+    with _unbound_if(_split_that_cannot_work(backend, members_only)):
         return dist.new_group(
             ranks=None if ranks is None else sorted(ranks),
             backend=backend,
@@ -69,33 +76,35 @@ def new_group(
         )
 
 
-@contextmanager
-def _unsplittable_binding() -> Iterator[None]:
-    """Unbind the default group's device for the block when torch would split it and cannot.
-
-    torch splits a new group from the default group's backend for the bound device when that
-    backend says ``supports_splitting``; ranks outside the new group then call the backend's
-    ``perform_nocolor_split``, which gloo lacks. Only in that case is ``bound_device_id`` set
-    to ``None`` for the block (and restored after): nothing is split, the group is made by a
-    rendezvous instead. NCCL, which has the method, is left alone.
-    """
+def _split_that_cannot_work(backend: str | None, members_only: bool) -> bool:
+    """Whether torch would split the new group from the default group's bound backend in a
+    way that fails or hangs (the three cases of the module docstring)."""
     if not dist.is_initialized():
+        return False
+    default = dist.distributed_c10d._get_default_group()
+    bound = getattr(default, "bound_device_id", None)
+    if bound is None:
+        return False
+    try:
+        source = default._get_backend(bound)
+    except RuntimeError:  # no backend for that device: torch does not split either
+        return False
+    if not getattr(source, "supports_splitting", False):
+        return False
+    if not hasattr(getattr(source, "wrapped_pg", source), "perform_nocolor_split"):
+        return True
+    return members_only or (backend is not None and backend != dist.get_backend())
+
+
+@contextmanager
+def _unbound_if(unbind: bool) -> Iterator[None]:
+    """Set the default group's ``bound_device_id`` to ``None`` for the block (restored after,
+    also when the block raises) where ``unbind``; otherwise leave it alone."""
+    if not unbind:
         yield
         return
     default = dist.distributed_c10d._get_default_group()
-    bound = getattr(default, "bound_device_id", None)
-    backend = None
-    if bound is not None:
-        try:
-            backend = default._get_backend(bound)
-        except RuntimeError:  # no backend for that device: torch does not split either
-            backend = None
-    if backend is None or not getattr(backend, "supports_splitting", False):
-        yield
-        return
-    if hasattr(getattr(backend, "wrapped_pg", backend), "perform_nocolor_split"):
-        yield
-        return
+    bound = default.bound_device_id
     default.bound_device_id = None
     try:
         yield

@@ -84,9 +84,9 @@ def check_piece_numel(setting: int | str | None) -> int | str | None:
 
 
 def resolve_piece_numel(setting: int | str | None, device: torch.device) -> int | None:
-    """The pieces for gradients on ``device``: ``"auto"`` pipelines on the CPU, where it was
-    measured, and not on CUDA, where it was not (each piece costs kernel launches and
-    collectives of its own)."""
+    """The pieces for gradients on ``device``: ``"auto"`` pipelines on the CPU, where pieces
+    paid, and not on CUDA, where they did not in the one measurement (an H200 shared by two
+    ranks over gloo: each piece costs kernel launches and collectives of its own)."""
     if setting == "auto":
         return PIECE_NUMEL if device.type == "cpu" else None
     assert not isinstance(setting, str)

@@ -177,12 +177,15 @@ class GroPipeStrategy(PipelineStrategyBase):
     @override
     def teardown(self) -> None:
         module = self.lightning_module
-        if module is not None and self._replaced_batch_norm:
-            restore_batch_norm(pipeline_body(module), self._replaced_batch_norm)
-            self._replaced_batch_norm = {}
-        if module is not None and self._replaced_linear:
-            restore_linear(pipeline_body(module), self._replaced_linear)
-            self._replaced_linear = {}
+        if module is not None and (self._replaced_batch_norm or self._replaced_linear):
+            body = pipeline_body(module)
+            originals = {**self._replaced_batch_norm, **self._replaced_linear}
+            replacements = {name: body.get_submodule(name) for name in originals}
+            restore_batch_norm(body, self._replaced_batch_norm)
+            restore_linear(body, self._replaced_linear)
+            for name, original in originals.items():
+                self.put_back_layer(replacements[name], original)
+        self._replaced_batch_norm, self._replaced_linear = {}, {}
         if "clip_grad_by_norm" in vars(self.precision_plugin):
             delattr(self.precision_plugin, "clip_grad_by_norm")
         super().teardown()

@@ -5,9 +5,10 @@ computes gradients on its own batches; the optimizer runs on server shards (thre
 ranks, on a gloo process group of their own); the user's module and optimizer are unchanged.
 
 Supported: one optimizer, automatic optimization, validation at epoch ends, CPU or GPU workers
-(the server keeps its weights and its messages on the CPU, over gloo; GPU workers are not yet
-run on a real GPU, see ``docs/gpu.md``), any ``torch.optim`` optimizer and learning-rate
-scheduler, checkpoints that load under ``ddp`` and on one device. How a step goes:
+(the server keeps its weights and its messages on the CPU, over gloo; GPU workers ran on one
+GPU shared by two ranks over gloo, not yet over NCCL, see ``docs/gpu.md``), any
+``torch.optim`` optimizer and learning-rate scheduler, checkpoints that load under ``ddp``
+and on one device. How a step goes:
 
 1. Lightning's closure runs ``training_step``, backward, gradient clipping and the
    ``on_before_optimizer_step`` hooks as usual;

@@ -371,6 +371,22 @@ class PipelineStrategyBase(ParallelStrategyBase):
     def prepare_module(self, module: pl.LightningModule, fitting: bool) -> None:
         """Convert layers before the optimizers exist (an engine's hook; default: nothing)."""
 
+    def put_back_layer(self, replacement: nn.Module, original: nn.Module) -> None:
+        """Refer to ``original`` wherever the layers kept for the next run refer to
+        ``replacement``: an engine calls it when it puts back a layer it replaced for one run
+        (GroPipe's deferred BatchNorm). The layers are kept across runs (a traced body cannot
+        be traced again once other stages' tensors are released), so without this the next
+        run (``validate`` after ``fit``) would build its stages from the replacement, whose
+        tensors a device move (CUDA to the CPU and back) has left behind."""
+        if self._layers is None:
+            return
+        self._layers = [original if layer is replacement else layer for layer in self._layers]
+        for layer in self._layers:
+            for parent in layer.modules():
+                for name, child in parent._modules.items():
+                    if child is replacement:
+                        parent._modules[name] = original
+
     def held_elsewhere(self) -> list[nn.Module]:
         """Modules outside the model that refer to its tensors (layers an engine replaced and
         will put back); ownership moves their tensors too (an engine's hook; default: none)."""
@@ -905,10 +921,6 @@ class PipelineStrategyBase(ParallelStrategyBase):
     @override
     def teardown(self) -> None:
         self._pipeline = None
-        # the next run (validate after fit) takes the layers anew: these may be layers an
-        # engine replaced for this run (GroPipe's deferred BatchNorm), holding tensors the
-        # model no longer has once a device move (CUDA to CPU and back) replaced them
-        self._layers = None
         module = self.lightning_module
         if module is None or not is_deferred(module):
             super().teardown()
@@ -956,11 +968,18 @@ def _move_real(model: nn.Module, device: torch.device) -> nn.Module:
                         moved = nn.Parameter(moved, requires_grad=tensor.requires_grad)
                     slots[name] = moved  # type: ignore[assignment]
         for module in model.modules():
-            # its states are neither parameters nor buffers (a metric of another stage's rank
-            # has meta buffers: it is not used there, and stays)
-            if isinstance(module, Metric) and not is_deferred(module):
+            # its states are neither parameters nor buffers (a metric built on meta, in
+            # configure_model, cannot move: it stays, as its meta tensors do)
+            if isinstance(module, Metric) and not _has_meta_tensors(module):
                 module.to(device)
     return model
+
+
+def _has_meta_tensors(metric: Metric) -> bool:
+    """Whether a torchmetrics metric holds a meta tensor: a parameter, buffer or state."""
+    states = [getattr(metric, name, None) for name in metric._defaults]
+    tensors = [t for s in states for t in (s if isinstance(s, list) else [s])]
+    return is_deferred(metric) or any(isinstance(t, Tensor) and t.is_meta for t in tensors)
 
 
 def _local_folder(filepath: StrPath) -> str | None:

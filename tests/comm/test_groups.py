@@ -1,5 +1,6 @@
-"""``lightning_parallel.comm.groups.new_group``: the run's timeout, and the step around torch's
-split of a device-bound gloo default group (which gloo cannot do)."""
+"""``lightning_parallel.comm.groups.new_group`` steps around torch's split of a device-bound
+default group where it would fail (gloo) or hang (another backend, members only): checked on
+stand-ins for torch's group objects, since a CPU-only torch cannot bind a group to a device."""
 
 from __future__ import annotations
 
@@ -29,29 +30,43 @@ class _DefaultGroup:
 
 
 @pytest.mark.parametrize(
-    ("splits", "has_nocolor_split", "unbound"),
+    ("splits", "has_nocolor_split", "backend", "members_only", "unbound"),
     [
-        (True, False, True),  # gloo on a CUDA device: torch would call a method gloo lacks
-        (True, True, False),  # NCCL: the split works, the binding stays
-        (False, False, False),  # a backend that does not split: nothing to step around
+        # gloo on a CUDA device: torch would call a method gloo lacks
+        (True, False, None, False, True),
+        # NCCL, a group of its own backend: the split works, the binding stays
+        (True, True, None, False, False),
+        (True, True, "nccl", False, False),
+        # NCCL, a gloo side group: non-members would split NCCL's communicator alone
+        (True, True, "gloo", False, True),
+        # NCCL, only the members call: the others cannot join a split
+        (True, True, None, True, True),
+        # a backend that does not split: nothing to step around
+        (False, False, "gloo", True, False),
     ],
 )
-def test_new_group_unbinds_only_a_default_group_that_cannot_split(
-    monkeypatch: pytest.MonkeyPatch, splits: bool, has_nocolor_split: bool, unbound: bool
+def test_new_group_unbinds_only_where_torch_split_would_fail_or_hang(
+    monkeypatch: pytest.MonkeyPatch,
+    splits: bool,
+    has_nocolor_split: bool,
+    backend: str | None,
+    members_only: bool,
+    unbound: bool,
 ) -> None:
     default = _DefaultGroup(_Backend(splits, has_nocolor_split))
     seen: list[Any] = []
 
     def fake_new_group(**kwargs: Any) -> str:
-        seen.append((default.bound_device_id, kwargs["ranks"], kwargs["timeout"]))
+        seen.append((default.bound_device_id, kwargs["ranks"], kwargs["backend"]))
         return "group"
 
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
     monkeypatch.setattr(dist.distributed_c10d, "_get_default_group", lambda: default)
     monkeypatch.setattr(dist, "new_group", fake_new_group)
-    assert groups.new_group([1, 0]) == "group"
+    assert groups.new_group([1, 0], backend=backend, members_only=members_only) == "group"
     expected = None if unbound else torch.device("cuda", 0)
-    assert seen == [(expected, [0, 1], groups.group_timeout())]
+    assert seen == [(expected, [0, 1], backend)]
     assert default.bound_device_id == torch.device("cuda", 0)  # restored after the call
 
 

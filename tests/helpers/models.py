@@ -61,6 +61,22 @@ class ConvBatchNormNet(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
 
 
+class TracedConvBatchNormNet(ConvBatchNormNet):
+    """:class:`ConvBatchNormNet` whose forward is not one ``nn.Sequential`` call (layers as
+    attributes, called in turn): a pipeline must trace it to find its layers."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        conv, norm, relu, flatten, hidden, relu2, out = self.layers
+        del self.layers
+        self.conv, self.norm, self.relu, self.flatten = conv, norm, relu, flatten
+        self.hidden, self.relu2, self.out = hidden, relu2, out
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = self.flatten(self.relu(self.norm(self.conv(x))))
+        return self.out(self.relu2(self.hidden(x)))
+
+
 def image_loader(samples: int = 64, batch_size: int = 8) -> DataLoader:
     """``samples`` random 1x8x8 images with 4 classes, fixed by seed 0."""
     generator = torch.Generator().manual_seed(0)

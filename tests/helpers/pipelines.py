@@ -7,14 +7,17 @@ from typing import Any
 
 import pytorch_lightning as pl
 
-from helpers.models import ConvBatchNormNet, image_loader
+from helpers.models import ConvBatchNormNet, TracedConvBatchNormNet, image_loader
 from helpers.trainers import QUIET
 
 
-def fit_then_validate(rank: int, world: int, name: str, accelerator: str) -> list[dict[str, float]]:
+def fit_then_validate(
+    rank: int, world: int, name: str, accelerator: str, traced: bool = False
+) -> list[dict[str, float]]:
     """``fit`` then ``validate`` with the same Trainer, one process per "host" (as the bench
     runs them): ``name`` is ``gropipe`` or ``spectrain``, two stages; gloo (two ranks may share
-    one GPU). Returns what ``validate`` returned on this rank."""
+    one GPU); ``traced``: a model the pipeline must trace. Returns what ``validate`` returned
+    on this rank."""
     from lightning_parallel.strategies.gropipe import GroPipeStrategy
     from lightning_parallel.strategies.spectrain import SpecTrainStrategy
 
@@ -34,6 +37,7 @@ def fit_then_validate(rank: int, world: int, name: str, accelerator: str) -> lis
         num_sanity_val_steps=0,
         **QUIET,
     )
-    model = ConvBatchNormNet(channels=8, hidden=64, device_type=accelerator, metric=True)
+    net = TracedConvBatchNormNet if traced else ConvBatchNormNet
+    model = net(channels=8, hidden=64, device_type=accelerator, metric=True)
     trainer.fit(model, image_loader(128, 16))
     return trainer.validate(model, image_loader(64, 16), verbose=False)

@@ -37,7 +37,7 @@ def _renew_tensors(model: nn.Module, device: torch.device | None = None) -> None
                     slots[name] = renewed  # type: ignore[assignment]
 
 
-def _fit_then_validate(rank: int, world: int, name: str) -> dict[str, Any]:
+def _fit_then_validate(rank: int, world: int, name: str, traced: bool) -> dict[str, Any]:
     metric_moves: list[int] = []  # per pipeline move: how many metrics moved with it
     move_real, metric_apply = pipeline_base._move_real, torchmetrics.Metric._apply
     applied: list[torchmetrics.Metric] = []
@@ -55,13 +55,14 @@ def _fit_then_validate(rank: int, world: int, name: str) -> dict[str, Any]:
 
     torchmetrics.Metric._apply = counted_apply  # type: ignore[method-assign]
     pipeline_base._move_real = moving
-    validated = fit_then_validate(rank, world, name, "cpu")
+    validated = fit_then_validate(rank, world, name, "cpu", traced)
     return {"validated": validated, "metric_moves": metric_moves}
 
 
+@pytest.mark.parametrize("traced", [False, True], ids=["sequential", "traced"])
 @pytest.mark.parametrize("name", ["gropipe", "spectrain"])
-def test_validate_after_fit_in_the_same_processes(name: str) -> None:
-    results = run_distributed(_fit_then_validate, 2, name, init_group=False, timeout=120)
+def test_validate_after_fit_in_the_same_processes(name: str, traced: bool) -> None:
+    results = run_distributed(_fit_then_validate, 2, name, traced, init_group=False, timeout=120)
     last = [r["validated"][0] for r in results if r["validated"] and r["validated"][0]]
     assert last, "no rank reported validation metrics"
     for metrics in last:
@@ -69,3 +70,25 @@ def test_validate_after_fit_in_the_same_processes(name: str) -> None:
     for result in results:  # fit's teardown, validate's setup and teardown moved the metric too
         assert len(result["metric_moves"]) >= 3
         assert all(count >= 1 for count in result["metric_moves"])
+
+
+def test_move_real_moves_real_metrics_and_leaves_meta_ones() -> None:
+    """A metric built on meta (in ``configure_model``) cannot move; one with real states must."""
+    with torch.device("meta"):
+        on_meta = torchmetrics.classification.MulticlassAccuracy(num_classes=3)
+    real = torchmetrics.classification.MulticlassAccuracy(num_classes=3)
+    model = nn.ModuleDict({"on_meta": on_meta, "real": real, "layer": nn.Linear(2, 2)})
+    moved: list[torchmetrics.Metric] = []
+    metric_apply = torchmetrics.Metric._apply
+
+    def counted_apply(self: torchmetrics.Metric, *args: Any, **kwargs: Any) -> Any:
+        moved.append(self)
+        return metric_apply(self, *args, **kwargs)
+
+    try:
+        torchmetrics.Metric._apply = counted_apply  # type: ignore[method-assign]
+        pipeline_base._move_real(model, torch.device("cpu"))
+    finally:
+        torchmetrics.Metric._apply = metric_apply  # type: ignore[method-assign]
+    assert moved == [real]
+    assert on_meta.tp.is_meta
