@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-
 import pytest
 import torch
 from helpers.distributed import run_distributed
+from helpers.spies import recording
 
 from lightning_parallel.comm.accounting import track_collectives
 from lightning_parallel.comm.ledger import CommLedger
@@ -232,23 +230,6 @@ def test_auto_exchange_allgathers_at_two_ranks_and_goes_two_phase_above(
             assert torch.equal(auto[rank][step][0], reference[rank][step][0])
 
 
-@contextlib.contextmanager
-def _counting(name: str) -> Iterator[list[int]]:
-    """Count the calls of ``torch.distributed.<name>`` inside the block (in ``calls[0]``)."""
-    calls = [0]
-    original = getattr(torch.distributed, name)
-
-    def counted(*args: object, **kwargs: object) -> object:
-        calls[0] += 1
-        return original(*args, **kwargs)
-
-    setattr(torch.distributed, name, counted)
-    try:
-        yield calls
-    finally:
-        setattr(torch.distributed, name, original)
-
-
 def _pipelined(rank: int, world: int, piece_numel: int | None, calibrating: bool) -> dict:
     """STEPS exchanges of a 2-bit layer (blocks of 64), a top-k layer and a bias, all gathered."""
     plans = [
@@ -258,10 +239,10 @@ def _pipelined(rank: int, world: int, piece_numel: int | None, calibrating: bool
     ]
     exchange = HyloExchange(ErrorFeedback(), ErrorFeedback(), "allgather", piece_numel=piece_numel)
     exchange.calibrating = calibrating
-    with _counting("all_gather") as messages:
+    with recording(torch.distributed, "all_gather") as messages:
         averages = _exchange_steps(exchange, plans, rank)
     residuals = {name: exchange.memory.residual(name).clone() for name in exchange.memory}
-    return {"averages": averages, "residuals": residuals, "messages": messages[0] / STEPS}
+    return {"averages": averages, "residuals": residuals, "messages": len(messages) / STEPS}
 
 
 def test_pipelined_pieces_give_the_one_piece_result_bit_for_bit() -> None:
@@ -294,7 +275,7 @@ def _two_phase_layouts(rank: int, world: int, layouts: list[int | None]) -> dict
     plan = LayerPlan("fc.weight", (40, 100), TWO_BIT, TwoBitQuantizer(block_size=64))
     exchange = HyloExchange(ErrorFeedback(), ErrorFeedback(), "two_phase")
     averages = []
-    with _counting("all_to_all_single") as messages:
+    with recording(torch.distributed, "all_to_all_single") as messages:
         for step, piece_numel in enumerate(layouts):
             exchange.piece_numel = piece_numel
             layer = LayerGradient(plan, _gradient(plan.shape, rank, step, 0).reshape(-1))
@@ -303,7 +284,7 @@ def _two_phase_layouts(rank: int, world: int, layouts: list[int | None]) -> dict
     keys = sorted(exchange.server_memory)
     kept = LayerGradient(plan, torch.zeros(plan.numel))
     exchange.flush(kept, world, rank)
-    return {"averages": averages, "kept": kept.gradient, "messages": messages[0], "keys": keys}
+    return {"averages": averages, "kept": kept.gradient, "messages": len(messages), "keys": keys}
 
 
 def test_pipelined_two_phase_gives_the_one_piece_result_bit_for_bit() -> None:

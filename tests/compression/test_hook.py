@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from helpers.distributed import run_distributed
+from helpers.spies import recording
 from torch import nn
 
 from lightning_parallel.compression import CostModel, HyloHook, HyloPolicy
@@ -250,23 +251,9 @@ def _pieces_through_the_hook(
         piece_numel=piece_numel,
     )
     hook.register(ddp)
-    calls = {"all_gather": 0, "all_to_all_single": 0}
-    originals = {name: getattr(dist, name) for name in calls}
-
-    def counter(name: str) -> Any:
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            calls[name] += 1
-            return originals[name](*args, **kwargs)
-
-        return counted
-
-    for name in calls:
-        setattr(dist, name, counter(name))
-    try:
+    with recording(dist, "all_gather") as gathers, recording(dist, "all_to_all_single") as sends:
         grads = [_step(ddp, rank, step) for step in range(4)]
-    finally:
-        for name, original in originals.items():
-            setattr(dist, name, original)
+    calls = {"all_gather": len(gathers), "all_to_all_single": len(sends)}
     return {"grads": grads, "calls": calls}
 
 

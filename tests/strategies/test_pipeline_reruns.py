@@ -16,6 +16,7 @@ import torch
 import torchmetrics
 from helpers.distributed import run_distributed
 from helpers.pipelines import fit_then_validate
+from helpers.spies import recording
 from torch import nn
 
 from lightning_parallel.strategies import pipeline_base
@@ -39,23 +40,18 @@ def _renew_tensors(model: nn.Module, device: torch.device | None = None) -> None
 
 def _fit_then_validate(rank: int, world: int, name: str, traced: bool) -> dict[str, Any]:
     metric_moves: list[int] = []  # per pipeline move: how many metrics moved with it
-    move_real, metric_apply = pipeline_base._move_real, torchmetrics.Metric._apply
-    applied: list[torchmetrics.Metric] = []
+    move_real = pipeline_base._move_real
+    with recording(torchmetrics.Metric, "_apply") as applied:
 
-    def counted_apply(self: torchmetrics.Metric, *args: Any, **kwargs: Any) -> Any:
-        applied.append(self)
-        return metric_apply(self, *args, **kwargs)
+        def moving(model: nn.Module, device: torch.device) -> nn.Module:  # as CUDA's moves do
+            before = len(applied)
+            move_real(model, device)
+            metric_moves.append(len(applied) - before)
+            _renew_tensors(model)
+            return model
 
-    def moving(model: nn.Module, device: torch.device) -> nn.Module:  # as CUDA's moves do
-        applied.clear()
-        move_real(model, device)
-        metric_moves.append(len(applied))
-        _renew_tensors(model)
-        return model
-
-    torchmetrics.Metric._apply = counted_apply  # type: ignore[method-assign]
-    pipeline_base._move_real = moving
-    validated = fit_then_validate(rank, world, name, "cpu", traced)
+        pipeline_base._move_real = moving
+        validated = fit_then_validate(rank, world, name, "cpu", traced)
     return {"validated": validated, "metric_moves": metric_moves}
 
 
@@ -78,17 +74,7 @@ def test_move_real_moves_real_metrics_and_leaves_meta_ones() -> None:
         on_meta = torchmetrics.classification.MulticlassAccuracy(num_classes=3)
     real = torchmetrics.classification.MulticlassAccuracy(num_classes=3)
     model = nn.ModuleDict({"on_meta": on_meta, "real": real, "layer": nn.Linear(2, 2)})
-    moved: list[torchmetrics.Metric] = []
-    metric_apply = torchmetrics.Metric._apply
-
-    def counted_apply(self: torchmetrics.Metric, *args: Any, **kwargs: Any) -> Any:
-        moved.append(self)
-        return metric_apply(self, *args, **kwargs)
-
-    try:
-        torchmetrics.Metric._apply = counted_apply  # type: ignore[method-assign]
+    with recording(torchmetrics.Metric, "_apply") as moved:
         pipeline_base._move_real(model, torch.device("cpu"))
-    finally:
-        torchmetrics.Metric._apply = metric_apply  # type: ignore[method-assign]
-    assert moved == [real]
+    assert [call[0] for call in moved] == [real]
     assert on_meta.tp.is_meta
