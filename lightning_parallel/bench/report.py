@@ -27,9 +27,8 @@ def _number(value: Any, digits: int = 2, scale: float = 1.0) -> str:
     return f"{value / scale:.{digits}f}"
 
 
-def table(result: dict[str, Any]) -> Table:
-    """The comparison table of ``result`` (a BENCH.md object)."""
-    config = result["config"]
+def setting(config: dict[str, Any]) -> str:
+    """One line that says what a run measured: model, data, hosts, device, link, length, seed."""
     latency = config["latency"] + (
         "" if config.get("latency_emulated", True) else " (not emulated)"
     )
@@ -40,7 +39,7 @@ def table(result: dict[str, Any]) -> Table:
         else f"{config['bandwidth']}, latency {latency}"
     )
     device = ", CUDA" if config.get("accelerator") == "cuda" else ""
-    title = (
+    return (
         f"{config['model']} on {config['data']}, {config['hosts']} hosts x "
         f"{config.get('procs_per_host', 1)} procs{device}, {link}, "
         f"{steps}, seed {config['seed']}"
@@ -51,7 +50,12 @@ def table(result: dict[str, Any]) -> Table:
             else ""
         )
     )
-    grid = Table(title=escape(title))
+
+
+def table(result: dict[str, Any]) -> Table:
+    """The comparison table of ``result`` (a BENCH.md object)."""
+    config = result["config"]
+    grid = Table(title=escape(setting(config)))
     columns = [
         ("spec", "left"),
         ("world", "right"),
@@ -179,12 +183,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     speed.set_xticks(positions, names, rotation=20, ha="right", fontsize=8)
     speed.set(ylabel="samples / s (all processes)")
     speed.set_title("throughput")
-    figure.suptitle(
-        f"{config['model']} on {config['data']}: {config['hosts']} hosts, "
-        f"{config['bandwidth']}, latency {config['latency']}"
-        + ("" if config.get("latency_emulated", True) else " (not emulated)"),
-        fontsize=11,
-    )
+    figure.suptitle(setting(config), fontsize=11)
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=110)

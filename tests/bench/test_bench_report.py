@@ -4,7 +4,7 @@ import json
 import pytest
 from rich.console import Console
 
-from lightning_parallel.bench.report import plot, print_table, write_json
+from lightning_parallel.bench.report import plot, print_table, setting, write_json
 from lightning_parallel.bench.runner import BenchConfig, summarize
 
 BENCH_RUN_KEYS = {
@@ -72,6 +72,17 @@ def test_table_json_and_plot(tmp_path):
     assert json.loads((tmp_path / "out.json").read_text())["runs"][0]["spec"] == "ddp"
     plot(result, tmp_path / "out.png")
     assert (tmp_path / "out.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_setting_line_names_the_device_and_the_link():
+    config = {"hosts": 2, "bandwidth": "unshaped", "latency": "0", "model": "vgg_mini",
+              "data": "digits", "max_steps": 400, "seed": 0, "network": "local",
+              "accelerator": "cuda"}  # fmt: skip
+    assert setting(config) == (
+        "vgg_mini on digits, 2 hosts x 1 procs, CUDA, loopback (unshaped), 400 steps, seed 0"
+    )
+    shaped = dict(config, network="netns", bandwidth="100mbit", latency="5ms", accelerator="cpu")
+    assert setting(shaped).endswith("1 procs, 100mbit, latency 5ms, 400 steps, seed 0")
 
 
 def test_config_errors_name_the_fix():
