@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_parallel.averaging.averager import Averager
+from lightning_parallel.averaging.averager import Averager, move_all
 from lightning_parallel.averaging.flat import FlatLayout
 from lightning_parallel.averaging.policies import (
     BUFFER_POLICIES,
@@ -476,11 +476,11 @@ class ReplicaAveraging:
         if pending is not None:
             # the replica file was loaded onto the CPU; the round's tensors live with the model
             device = self._device()
-            snapshot = [tensor.to(device) for tensor in pending["snapshot"]]
+            snapshot = move_all(pending["snapshot"], device)
             self._round = _Round(
                 snapshot=snapshot,
                 layout=FlatLayout(snapshot),
-                sums=[tensor.to(device) for tensor in pending["sums"]],
+                sums=move_all(pending["sums"], device),
                 work=None,
                 num_parameters=int(pending["num_parameters"]),
                 started_at=int(pending["started_at"]),

@@ -94,7 +94,7 @@ class HyloCompression(Callback):
             and decoded piece by piece (allgather and two-phase alike), so that the link
             carries one piece while the next is encoded; ``None``: one message per bucket;
             ``"auto"`` (default): 524288 (128 KiB of codes) for CPU gradients, ``None`` for
-            CUDA ones (slower there in pieces, in the one measurement: ``docs/gpu.md``).
+            CUDA ones (pieces lost more than they gained there: ``docs/gpu.md``).
         policy: a ready :class:`~lightning_parallel.compression.HyloPolicy`; overrides
             ``codec``, ``conv_rate``, ``fc_bits``, ``threshold_factor``, ``min_compress_numel``,
             ``reconstruction``, ``block_size``.

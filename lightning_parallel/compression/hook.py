@@ -76,7 +76,7 @@ class HyloHook:
         piece_numel: values per pipelined piece of a large 2-bit layer (encoded, sent and
             decoded piece by piece, on the allgather and the two-phase routes); ``None``: one
             message per bucket; ``"auto"`` (default): 524288 for CPU gradients, ``None`` for
-            CUDA ones, where pieces were slower in the one measurement (see
+            CUDA ones, where pieces lost more than they gained in two measurements (see
             :class:`~lightning_parallel.compression.HyloExchange`).
 
     Example::
