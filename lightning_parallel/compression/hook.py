@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_parallel.comm.agreement import check_same_settings, plain_attributes
 from lightning_parallel.comm.devices import to_group
 from lightning_parallel.compression.cost_model import CostModel
 from lightning_parallel.compression.error_feedback import ErrorFeedback
@@ -133,6 +134,8 @@ class HyloHook:
         self._seed = seed
         self._seeded = False
         self._thread: _BackgroundThread | None = None
+        self._agreed = False  # the ranks' settings were compared (at the first exchange)
+        self._disagreement: ValueError | None = None
 
     # -- registration ---------------------------------------------------------------------
 
@@ -213,6 +216,7 @@ class HyloHook:
     def _average(
         self, buffer: Tensor, params: list[Tensor], is_last: bool, blocking: bool
     ) -> torch.futures.Future[Tensor]:
+        self._agree(buffer.device)
         layers = self._layers(params, buffer)
         world = dist.get_world_size(self.process_group)
         self.exchange.piece_numel = resolve_piece_numel(self.piece_numel, buffer.device)
@@ -256,6 +260,36 @@ class HyloHook:
                 f"{buffer.numel()}"
             )
         return layers
+
+    def _agree(self, device: torch.device) -> None:
+        """Before the first exchange, check that every rank has the settings that decide the
+        routes and the messages' sizes (one collective; see
+        :mod:`lightning_parallel.comm.agreement`). A disagreement raises on every rank, at
+        this bucket and at every later one, with no further communication."""
+        if self._disagreement is not None:
+            raise self._disagreement
+        if self._agreed:
+            return
+        self._agreed = True
+        plans = tuple(
+            (plan.name, plan.shape, plan.route, plain_attributes(plan.codec))
+            for _, plan in sorted(self.plans.items())
+        )
+        cost_model = None if self.cost_model is None else plain_attributes(self.cost_model)
+        settings = {
+            "piece_numel": resolve_piece_numel(self.piece_numel, device),
+            "two_bit_exchange": self.exchange.two_bit_exchange,
+            "warmup_steps": self.warmup_steps,
+            "calibration_steps": self.calibration_steps,
+            "cost_model": cost_model,
+            "step": self.step,
+            "plans": plans,
+        }
+        try:
+            check_same_settings(settings, self.process_group, owner="HyloHook")
+        except ValueError as error:
+            self._disagreement = error
+            raise
 
     def _allreduce(
         self, buffer: Tensor, layers: list[LayerGradient], world: int, blocking: bool

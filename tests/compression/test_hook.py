@@ -238,6 +238,35 @@ def test_an_error_on_the_background_thread_raises_in_backward_instead_of_hanging
     assert all("codec exploded" in message for message in messages)
 
 
+def _settings_differ(rank: int, world: int, overlap: bool) -> dict[str, Any]:
+    ddp = _ddp(_model())
+    pieces = 1024 if rank == 1 else 2048  # one rank was given another piece_numel
+    hook = HyloHook(ddp.module.named_parameters(), _policy(), overlap=overlap, piece_numel=pieces)
+    hook.register(ddp)
+    try:
+        _step(ddp, rank, 0)
+        first = "no error"
+    except Exception as error:  # DDP re-raises what the hook raised
+        first = str(error)
+    params = list(ddp.module.parameters())
+    flat = torch.zeros(sum(p.numel() for p in params))
+    with recording(dist, "all_reduce") as reductions:
+        try:  # a later exchange raises the same error, without communicating
+            hook.average_flat(flat, params)
+            later = "no error"
+        except ValueError as error:
+            later = str(error)
+    return {"first": first, "later": later, "reductions": len(reductions)}
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["background thread", "in the hook"])
+def test_ranks_with_different_settings_raise_instead_of_hanging(overlap: bool) -> None:
+    for rank, result in enumerate(run_distributed(_settings_differ, 2, overlap, timeout=60)):
+        expected = f"HyloHook: piece_numel differ across ranks (rank {rank} has piece_numel="
+        assert expected in result["first"], result["first"]
+        assert result["later"].startswith(expected) and result["reductions"] == 0
+
+
 def _pieces_through_the_hook(
     rank: int, world: int, mode: str, piece_numel: int | None
 ) -> dict[str, Any]:
