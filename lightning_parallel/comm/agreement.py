@@ -5,8 +5,10 @@ of another step) sends the ranks down different routes: their collectives stop m
 which ends in a hang until the timeout or in a wrong sum. :func:`check_same_settings` finds
 that at once instead:
 
-1. every setting is digested to 63 bits, ``d = BLAKE2b(repr(value))``, the same on every
-   rank for the same value (numbers, strings, ``None`` and tuples of them);
+1. every setting is digested to 63 bits, ``d = BLAKE2b(repr(canonical(value)))``, the same
+   on every rank for the same value (numbers, strings, ``None`` and tuples of them; a number
+   counts by its value, so ``1``, ``1.0`` and ``numpy.int64(1)`` agree, while ``True`` stays
+   a flag);
 2. the vector ``[d_1, ..., d_n, -d_1, ..., -d_n]`` is all-reduced with ``MAX`` over the group,
    which gives each setting's largest digest and, negated, its smallest;
 3. a setting differs on some rank exactly when the two differ (up to a digest collision,
@@ -24,6 +26,7 @@ Example::
 from __future__ import annotations
 
 import hashlib
+import numbers
 from collections.abc import Mapping
 from typing import Any
 
@@ -36,9 +39,20 @@ _SHOWN = 80  # characters of a value that an error message quotes
 
 
 def digest(value: object) -> int:
-    """A 63-bit digest of ``repr(value)``: equal on every process for equal plain values."""
-    raw = hashlib.blake2b(repr(value).encode(), digest_size=8).digest()
+    """A 63-bit digest of ``value``'s canonical ``repr``: equal on every process for equal
+    plain values."""
+    raw = hashlib.blake2b(repr(canonical(value)).encode(), digest_size=8).digest()
     return int.from_bytes(raw, "big") >> 1  # non-negative, so that -d fits in int64
+
+
+def canonical(value: object) -> object:
+    """``value`` with every number as a ``float`` (flags stay ``bool``), in tuples and lists
+    too: equal numbers of different types (``512``, ``512.0``, a NumPy scalar) then agree."""
+    if isinstance(value, bool) or not isinstance(value, (numbers.Real, tuple, list)):
+        return value
+    if isinstance(value, numbers.Real):
+        return float(value)
+    return tuple(canonical(item) for item in value)
 
 
 def differing_settings(settings: Mapping[str, object], group: Any = None) -> list[str]:
@@ -68,7 +82,7 @@ def check_same_settings(settings: Mapping[str, object], group: Any = None, *, ow
 def plain_attributes(obj: object) -> tuple[Any, ...]:
     """``obj``'s type name and its public attributes that are plain values (numbers, strings,
     ``None``): the settings of a codec or a cost model, without its state."""
-    plain = (bool, int, float, str, type(None))
+    plain = (bool, numbers.Real, str, type(None))
     items = sorted(
         (name, value)
         for name, value in vars(obj).items()

@@ -135,7 +135,7 @@ class HyloHook:
         self._seeded = False
         self._thread: _BackgroundThread | None = None
         self._agreed = False  # the ranks' settings were compared (at the first exchange)
-        self._disagreement: ValueError | None = None
+        self._disagreement: Exception | None = None
 
     # -- registration ---------------------------------------------------------------------
 
@@ -264,32 +264,39 @@ class HyloHook:
     def _agree(self, device: torch.device) -> None:
         """Before the first exchange, check that every rank has the settings that decide the
         routes and the messages' sizes (one collective; see
-        :mod:`lightning_parallel.comm.agreement`). A disagreement raises on every rank, at
-        this bucket and at every later one, with no further communication."""
+        :mod:`lightning_parallel.comm.agreement`). A disagreement, or a failed check, raises
+        on every rank, at this bucket and at every later one, with no further communication
+        (with ``overlap``, DDP has queued the later buckets already)."""
         if self._disagreement is not None:
-            raise self._disagreement
+            error = self._disagreement  # a new exception: one raised again gathers frames
+            if isinstance(error, ValueError):
+                raise ValueError(*error.args)
+            raise RuntimeError(f"HyloHook could not compare the ranks' settings: {error}")
         if self._agreed:
             return
+        try:
+            check_same_settings(self._settings(device), self.process_group, owner="HyloHook")
+        except Exception as error:
+            self._disagreement = error
+            raise
         self._agreed = True
+
+    def _settings(self, device: torch.device) -> dict[str, object]:
+        """What every rank must share: the pieces, the exchange, the warm-up and calibration,
+        the cost model's settings, the step reached, each layer's route and codec settings."""
         plans = tuple(
             (plan.name, plan.shape, plan.route, plain_attributes(plan.codec))
             for _, plan in sorted(self.plans.items())
         )
-        cost_model = None if self.cost_model is None else plain_attributes(self.cost_model)
-        settings = {
+        return {
             "piece_numel": resolve_piece_numel(self.piece_numel, device),
             "two_bit_exchange": self.exchange.two_bit_exchange,
             "warmup_steps": self.warmup_steps,
             "calibration_steps": self.calibration_steps,
-            "cost_model": cost_model,
+            "cost_model": None if self.cost_model is None else plain_attributes(self.cost_model),
             "step": self.step,
             "plans": plans,
         }
-        try:
-            check_same_settings(settings, self.process_group, owner="HyloHook")
-        except ValueError as error:
-            self._disagreement = error
-            raise
 
     def _allreduce(
         self, buffer: Tensor, layers: list[LayerGradient], world: int, blocking: bool

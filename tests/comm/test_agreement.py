@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import torch.distributed as dist
 from helpers.distributed import run_distributed
 from helpers.spies import recording
@@ -35,6 +36,14 @@ def test_the_digest_is_the_same_in_every_process_and_fits_int64() -> None:
     assert _digest_in_a_new_interpreter("1") == _digest_in_a_new_interpreter("2") == digest(_VALUE)
     assert 0 <= digest(_VALUE) < 2**63
     assert digest(_VALUE) != digest((*_VALUE[:3], 0.25))
+
+
+def test_numbers_count_by_value_and_flags_stay_flags() -> None:
+    assert digest(512) == digest(512.0) == digest(np.int64(512)) == digest(np.float64(512))
+    assert digest((3, (1, 2))) == digest([3.0, [1.0, 2.0]])
+    assert digest(True) != digest(1) and digest(None) != digest(0) and digest("1") != digest(1)
+    as_numpy = plain_attributes(CostModel(bandwidth=np.float64(2.0)))
+    assert digest(as_numpy) == digest(plain_attributes(CostModel(bandwidth=2)))
 
 
 def _compare(rank: int, world: int) -> dict[str, object]:

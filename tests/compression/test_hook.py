@@ -29,7 +29,7 @@ def _model() -> nn.Module:
 
 
 def _policy(**kwargs: Any) -> HyloPolicy:
-    return HyloPolicy(min_compress_numel=400, conv_rate=0.2, **kwargs)
+    return HyloPolicy(**{"min_compress_numel": 400, "conv_rate": 0.2, **kwargs})
 
 
 def _batch(rank: int, step: int) -> torch.Tensor:
@@ -238,10 +238,18 @@ def test_an_error_on_the_background_thread_raises_in_backward_instead_of_hanging
     assert all("codec exploded" in message for message in messages)
 
 
-def _settings_differ(rank: int, world: int, overlap: bool) -> dict[str, Any]:
+def _settings_differ(rank: int, world: int, setting: str, overlap: bool) -> dict[str, Any]:
     ddp = _ddp(_model())
-    pieces = 1024 if rank == 1 else 2048  # one rank was given another piece_numel
-    hook = HyloHook(ddp.module.named_parameters(), _policy(), overlap=overlap, piece_numel=pieces)
+    odd = rank == 1  # rank 1 was given (or resumed) another value of `setting`
+    hook = HyloHook(
+        ddp.module.named_parameters(),
+        _policy(conv_rate=0.1 if odd and setting == "plans" else 0.2),
+        warmup_steps=1 if odd and setting == "warmup_steps" else 0,
+        overlap=overlap,
+        piece_numel=1024 if odd and setting == "piece_numel" else 2048,
+    )
+    if odd and setting == "step":  # a checkpoint of another step, on one rank
+        hook.load_state_dict(dict(hook.state_dict(), step=5))
     hook.register(ddp)
     try:
         _step(ddp, rank, 0)
@@ -259,12 +267,47 @@ def _settings_differ(rank: int, world: int, overlap: bool) -> dict[str, Any]:
     return {"first": first, "later": later, "reductions": len(reductions)}
 
 
-@pytest.mark.parametrize("overlap", [True, False], ids=["background thread", "in the hook"])
-def test_ranks_with_different_settings_raise_instead_of_hanging(overlap: bool) -> None:
-    for rank, result in enumerate(run_distributed(_settings_differ, 2, overlap, timeout=60)):
-        expected = f"HyloHook: piece_numel differ across ranks (rank {rank} has piece_numel="
+@pytest.mark.parametrize(
+    ("setting", "overlap"),
+    [
+        ("piece_numel", True),
+        ("piece_numel", False),
+        ("warmup_steps", True),
+        ("plans", False),
+        ("step", True),
+    ],
+)
+def test_ranks_with_different_settings_raise_instead_of_hanging(
+    setting: str, overlap: bool
+) -> None:
+    results = run_distributed(_settings_differ, 2, setting, overlap, timeout=60)
+    for rank, result in enumerate(results):
+        expected = f"HyloHook: {setting} differ across ranks (rank {rank} has {setting}="
         assert expected in result["first"], result["first"]
         assert result["later"].startswith(expected) and result["reductions"] == 0
+
+
+def _resume_after_decisions(rank: int, world: int) -> dict[str, Any]:
+    """Five steps with a cost model (decisions made), then a new hook resumed from them."""
+    ddp = _ddp(_model())
+    hook = HyloHook(ddp.module.named_parameters(), _policy(), 1, cost_model=CostModel(1e15))
+    hook.register(ddp)
+    for step in range(5):
+        _step(ddp, rank, step)
+    resumed_ddp = _ddp(copy.deepcopy(ddp.module))
+    resumed = HyloHook(
+        resumed_ddp.module.named_parameters(), _policy(), 1, cost_model=CostModel(1e15)
+    )
+    resumed.load_state_dict(hook.state_dict())
+    resumed.register(resumed_ddp)
+    _step(resumed_ddp, rank, 5)  # the settings check passes: the ranks share the decisions
+    return {"routes": {n: plan.route for n, plan in resumed.plans.items()}, "step": resumed.step}
+
+
+def test_a_resume_after_cost_model_decisions_passes_the_settings_check() -> None:
+    results = run_distributed(_resume_after_decisions, 2, timeout=60)
+    assert results[0] == results[1] and results[0]["step"] == 6
+    assert set(results[0]["routes"].values()) == {"dense"}  # the decisions came back
 
 
 def _pieces_through_the_hook(
