@@ -13,8 +13,8 @@
 #   bash scripts/gpu_check.sh bench                           # 6 strategies (hylo twice), vgg_mini
 #   BENCH_MODELS=resnet18 bash scripts/gpu_check.sh bench     # the same seven runs on resnet18
 # (GPU_TESTS is pytest's -k expression within the gpu tests.) On a lease of 15 minutes in all,
-# run everything as one command instead, the tests spread over pytest-xdist workers (about 6
-# minutes on an H200 machine with 16 cores: tests 80 s, codecs 25 s, about 17 s a bench run):
+# run everything as one command instead, the tests spread over pytest-xdist workers (382 s on
+# an H200 machine with 16 cores: tests 82 s, then the codecs, then 13 to 32 s a bench run):
 #   GPU_TEST_WORKERS=13 TESTS_TIMEOUT=210 bash scripts/gpu_check.sh tests codecs;
 #   BENCH_RUN_TIMEOUT=90 BENCH_MODELS='vgg_mini resnet18' bash scripts/gpu_check.sh bench archive
 # GPU_TEST_WORKERS: pytest-xdist workers for the tests (ignored where xdist is missing);

@@ -125,7 +125,7 @@ class HyloHook:
             self.server_memory,
             two_bit_exchange,
             group=process_group,
-            piece_numel=None,  # set per bucket from the gradients' device
+            piece_numel=None,  # set at the first exchange, from the gradients' device
         )
         self.step = 0
         self.calls = 0
@@ -219,7 +219,6 @@ class HyloHook:
         self._agree(buffer.device)
         layers = self._layers(params, buffer)
         world = dist.get_world_size(self.process_group)
-        self.exchange.piece_numel = resolve_piece_numel(self.piece_numel, buffer.device)
         compressed = any(layer.plan.compressed for layer in layers)
         if self.compressing and compressed:
             calibrating = self._calibrating()
@@ -262,11 +261,11 @@ class HyloHook:
         return layers
 
     def _agree(self, device: torch.device) -> None:
-        """Before the first exchange, check that every rank has the settings that decide the
-        routes and the messages' sizes (one collective; see
-        :mod:`lightning_parallel.comm.agreement`). A disagreement, or a failed check, raises
-        on every rank, at this bucket and at every later one, with no further communication
-        (with ``overlap``, DDP has queued the later buckets already)."""
+        """Before the first exchange, resolve ``piece_numel`` for the gradients' device and
+        check that every rank has the settings that decide the routes and the messages' sizes
+        (one collective; see :mod:`lightning_parallel.comm.agreement`). A disagreement, or a
+        failed check, raises on every rank, at this bucket and at every later one, with no
+        further communication (with ``overlap``, DDP has queued the later buckets already)."""
         if self._disagreement is not None:
             error = self._disagreement  # a new exception: one raised again gathers frames
             if isinstance(error, ValueError):
@@ -274,14 +273,15 @@ class HyloHook:
             raise RuntimeError(f"HyloHook could not compare the ranks' settings: {error}")
         if self._agreed:
             return
+        self.exchange.piece_numel = resolve_piece_numel(self.piece_numel, device)
         try:
-            check_same_settings(self._settings(device), self.process_group, owner="HyloHook")
+            check_same_settings(self._settings(), self.process_group, owner="HyloHook")
         except Exception as error:
             self._disagreement = error
             raise
         self._agreed = True
 
-    def _settings(self, device: torch.device) -> dict[str, object]:
+    def _settings(self) -> dict[str, object]:
         """What every rank must share: the pieces, the exchange, the warm-up and calibration,
         the cost model's settings, the step reached, each layer's route and codec settings."""
         plans = tuple(
@@ -289,7 +289,7 @@ class HyloHook:
             for _, plan in sorted(self.plans.items())
         )
         return {
-            "piece_numel": resolve_piece_numel(self.piece_numel, device),
+            "piece_numel": self.exchange.piece_numel,
             "two_bit_exchange": self.exchange.two_bit_exchange,
             "warmup_steps": self.warmup_steps,
             "calibration_steps": self.calibration_steps,

@@ -179,12 +179,11 @@ class GroPipeStrategy(PipelineStrategyBase):
         module = self.lightning_module
         if module is not None and (self._replaced_batch_norm or self._replaced_linear):
             body = pipeline_body(module)
-            originals = {**self._replaced_batch_norm, **self._replaced_linear}
-            replacements = {name: body.get_submodule(name) for name in originals}
+            by_name = {**self._replaced_batch_norm, **self._replaced_linear}
+            originals = {body.get_submodule(name): layer for name, layer in by_name.items()}
             restore_batch_norm(body, self._replaced_batch_norm)
             restore_linear(body, self._replaced_linear)
-            for name, original in originals.items():
-                self.put_back_layer(replacements[name], original)
+            self.put_back_layers(originals)
         self._replaced_batch_norm, self._replaced_linear = {}, {}
         if "clip_grad_by_norm" in vars(self.precision_plugin):
             delattr(self.precision_plugin, "clip_grad_by_norm")

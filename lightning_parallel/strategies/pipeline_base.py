@@ -371,21 +371,21 @@ class PipelineStrategyBase(ParallelStrategyBase):
     def prepare_module(self, module: pl.LightningModule, fitting: bool) -> None:
         """Convert layers before the optimizers exist (an engine's hook; default: nothing)."""
 
-    def put_back_layer(self, replacement: nn.Module, original: nn.Module) -> None:
-        """Refer to ``original`` wherever the layers kept for the next run refer to
-        ``replacement``: an engine calls it when it puts back a layer it replaced for one run
-        (GroPipe's deferred BatchNorm). The layers are kept across runs (a traced body cannot
-        be traced again once other stages' tensors are released), so without this the next
-        run (``validate`` after ``fit``) would build its stages from the replacement, whose
-        tensors a device move (CUDA to the CPU and back) has left behind."""
-        if self._layers is None:
+    def put_back_layers(self, originals: Mapping[nn.Module, nn.Module]) -> None:
+        """Refer to ``originals[m]`` wherever the layers kept for the next run refer to a
+        replacement ``m`` (one walk over them): an engine calls it when it puts back layers it
+        replaced for one run (GroPipe's deferred BatchNorm). The layers are kept across runs
+        (a traced body cannot be traced again once other stages' tensors are released), so
+        without this the next run (``validate`` after ``fit``) would build its stages from the
+        replacements, whose tensors a device move (CUDA to the CPU and back) has left behind."""
+        if self._layers is None or not originals:
             return
-        self._layers = [original if layer is replacement else layer for layer in self._layers]
+        self._layers = [originals.get(layer, layer) for layer in self._layers]
         for layer in self._layers:
             for parent in layer.modules():
                 for name, child in parent._modules.items():
-                    if child is replacement:
-                        parent._modules[name] = original
+                    if child is not None and child in originals:
+                        parent._modules[name] = originals[child]
 
     def held_elsewhere(self) -> list[nn.Module]:
         """Modules outside the model that refer to its tensors (layers an engine replaced and
