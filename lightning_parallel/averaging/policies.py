@@ -45,15 +45,21 @@ def round_buffers(module: nn.Module, policy: str) -> list[Tensor]:
     return floating_buffers(module) if policy == "average" else []
 
 
-def optimizer_state_tensors(optimizers: Sequence[Optimizer]) -> list[Tensor]:
+def optimizer_state_tensors(
+    optimizers: Sequence[Optimizer], parameters: Sequence[Tensor] | None = None
+) -> list[Tensor]:
     """Floating-point, non-scalar state tensors of ``optimizers`` in a fixed order.
 
     Scalars (such as Adam's ``step``) are counters equal on every rank and stay as they are.
+    ``parameters`` restricts the result to the state of those parameters (a fragment's).
     """
+    only = None if parameters is None else {id(parameter) for parameter in parameters}
     tensors = []
     for optimizer in optimizers:
         for group in optimizer.param_groups:
             for parameter in group["params"]:
+                if only is not None and id(parameter) not in only:
+                    continue
                 state = optimizer.state.get(parameter, {})
                 for key in sorted(state):
                     value = state[key]
@@ -66,7 +72,14 @@ def optimizer_state_tensors(optimizers: Sequence[Optimizer]) -> list[Tensor]:
     return tensors
 
 
-def reset_optimizer_state(optimizers: Sequence[Optimizer]) -> None:
-    """Forget every optimizer's per-parameter state (momentum, moments, step counters)."""
+def reset_optimizer_state(
+    optimizers: Sequence[Optimizer], parameters: Sequence[Tensor] | None = None
+) -> None:
+    """Forget every optimizer's per-parameter state (momentum, moments, step counters), or
+    only that of ``parameters`` (a fragment's)."""
     for optimizer in optimizers:
-        optimizer.state.clear()
+        if parameters is None:
+            optimizer.state.clear()
+            continue
+        for parameter in parameters:
+            optimizer.state.pop(parameter, None)

@@ -6,16 +6,20 @@ import copy
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_parallel.averaging.averager import Averager, move_all
+from lightning_parallel.averaging.averager import Averager
 from lightning_parallel.averaging.flat import FlatLayout
+from lightning_parallel.averaging.fragments import (
+    Fragment,
+    due_fragments,
+    flat_delta,
+    plan_fragments,
+)
 from lightning_parallel.averaging.policies import (
     BUFFER_POLICIES,
     OPTIMIZER_STATE_POLICIES,
@@ -25,26 +29,21 @@ from lightning_parallel.averaging.policies import (
     round_buffers,
     trainable_parameters,
 )
-from lightning_parallel.averaging.reduction import Reduction, ReductionWork
+from lightning_parallel.averaging.quantized_gather import QuantizedAllGather
+from lightning_parallel.averaging.reduction import Reduction
+from lightning_parallel.averaging.replica_state import ReplicaState
+from lightning_parallel.averaging.rounds import (
+    Agreement,
+    Round,
+    add_mean_delta,
+    check_alpha,
+    check_sync_delay,
+    land,
+)
 from lightning_parallel.averaging.schedule import AveragingSchedule
-from lightning_parallel.comm.devices import to_group
 from lightning_parallel.comm.ledger import CommLedger, process_ledger
 
 __all__: list[str] = []
-
-
-@dataclass
-class _Round:
-    """A round whose reduction was started and whose result is not applied yet."""
-
-    snapshot: list[Tensor]  # this rank's tensors when the round started
-    layout: FlatLayout
-    sums: list[Tensor]  # flat buffers, summed in place over the ranks
-    work: ReductionWork | None  # None once the sums are complete
-    num_parameters: int  # the first entries of snapshot are parameters
-    started_at: int  # optimizer steps counted when the round started
-    blocked_seconds: float = 0.0  # time training waited for this round so far
-    parameter_means: list[Tensor] | None = None  # set when ``parameter_mean`` averaged them
 
 
 class ParameterMean(Protocol):
@@ -60,7 +59,7 @@ class ParameterMean(Protocol):
     def __call__(self, local: Sequence[Tensor]) -> list[Tensor]: ...
 
 
-class ReplicaAveraging:
+class ReplicaAveraging(ReplicaState):
     """Average the replicas of one model across ranks on a schedule, with buffer and state policies.
 
     Each rank holds a replica ``x_i`` of ``module`` trained by its own ``optimizers``. At the
@@ -72,14 +71,23 @@ class ReplicaAveraging:
     2. the divergence ``‖x_i − x̄‖`` is recorded, then the ``averager`` turns ``(x_i, x̄)`` into the
        point the parameters restart from; buffers and averaged optimizer state take the mean;
        ``optimizer_state="reset"`` clears the optimizer state;
-    3. with ``overlap=True`` step 1 runs asynchronously while the next optimizer step computes,
-       and step 2 is applied one step later as a correction that keeps that step's progress:
-       ``x_i ← target + (x_i − x_i^snapshot)``.
+    3. with ``sync_delay=τ`` (``overlap=True`` is ``τ = 1``) step 1 runs asynchronously while
+       the next ``τ`` optimizer steps compute, and step 2 is applied ``τ`` steps later, merging
+       those steps' progress (:func:`~lightning_parallel.averaging.rounds.land`:
+       ``x_i ← target + (x_i − x_i^snapshot)``, or Streaming DiLoCo's
+       ``x_i ← α·x_i + (1 − α)·target`` with ``fragment_update_alpha=α``).
+
+    Streaming rounds (``fragments=F > 1``) cut the model into ``F`` fragments of whole layers
+    (:mod:`~lightning_parallel.averaging.fragments`), each with its own averager state,
+    synchronised at staggered steps. Quantized rounds (``quantized``) send each replica's
+    parameter delta from the fragment's last agreed point in low precision
+    (:class:`~lightning_parallel.averaging.quantized_gather.QuantizedAllGather`), with optional
+    error feedback; buffers and optimizer state still travel as values through ``reduction``.
 
     During the warm-up the caller averages gradients with :meth:`average_gradients` (synchronous
     data parallelism). All state needed to resume exactly is in :meth:`state_dict` (identical on
-    every rank) and :meth:`local_state_dict` (this rank's replica, optimizer state and the round
-    in flight).
+    every rank) and :meth:`local_state_dict` (this rank's replica, optimizer state, residuals and
+    the rounds in flight).
 
     A training loop uses it like this (every rank runs the same calls)::
 
@@ -92,21 +100,32 @@ class ReplicaAveraging:
             optimizer.step()
             optimizer.zero_grad()
             averaging.count_optimizer_step()
-        averaging.finish()                       # every replica becomes the mean
+        averaging.finish()                       # every replica becomes the consensus
 
     Args:
         module: this rank's replica.
         optimizers: the optimizers that train it (their state follows ``optimizer_state``).
-        averager: the algorithm (periodic, BMUF, EASGD, outer optimizer, one-shot).
+        averager: the algorithm (periodic, BMUF, EASGD, outer optimizer, one-shot); each
+            fragment runs a copy of it.
         schedule: the period and warm-up; counts optimizer steps.
         reduction: sums buffers over the ranks (``FlatAllReduce`` or ``TreeAllReduce``).
         buffers: ``"average"`` or ``"local"``.
         optimizer_state: ``"keep"``, ``"average"`` or ``"reset"``.
-        overlap: start each round's reduction asynchronously and apply it one step later.
-        ledger: where gauges go (``rounds``, ``divergence``, ``bytes_per_round``, and
-            ``round_wait_s``: seconds training waited for the round's exchange, all of it when
-            blocking, only what the next step did not hide when overlapped); the process
-            ledger by default.
+        overlap: the same as ``sync_delay=1`` (kept for existing code).
+        ledger: where gauges go (``rounds``, ``divergence``, ``bytes_per_round``,
+            ``peak_round_bytes``, and ``round_wait_s``: seconds training waited for the round's
+            exchange, all of it when blocking, only what the next steps did not hide when
+            delayed); the process ledger by default.
+        fragments: ``F``, fragments synchronised at staggered steps (1: the whole model).
+        sync_delay: ``τ``, optimizer steps a round's exchange runs behind training before it
+            is applied (0: blocking; less than the period).
+        fragment_update_alpha: how a delayed round merges with the steps taken meanwhile
+            (``None``: keep them; ``α``: Streaming DiLoCo's mixing).
+        quantized: sends the parameters' deltas in low precision (``None``: values, exact).
+        error_feedback: keep what quantization dropped and send it with the fragment's next
+            round.
+        keep_agreement: keep each fragment's last agreed point even without streaming or
+            quantization (for :meth:`prepare_evaluation` ``policy="global"``).
     """
 
     def __init__(
@@ -120,35 +139,51 @@ class ReplicaAveraging:
         optimizer_state: str = "keep",
         overlap: bool = False,
         ledger: CommLedger | None = None,
+        fragments: int = 1,
+        sync_delay: int | None = None,
+        fragment_update_alpha: float | None = None,
+        quantized: QuantizedAllGather | None = None,
+        error_feedback: bool = False,
+        keep_agreement: bool = False,
     ) -> None:
-        self.module = module
-        self.optimizers = list(optimizers)
-        self.averager = averager
-        self.schedule = schedule
-        self.reduction = reduction
-        self.buffers = check_choice("buffers", buffers, BUFFER_POLICIES)
+        buffers = check_choice("buffers", buffers, BUFFER_POLICIES)
+        if fragments != 1 and schedule.period is None:
+            raise ValueError("fragments > 1 needs a period (one-shot averaging has no rounds)")
+        plan = plan_fragments(
+            module,
+            trainable_parameters(module),
+            round_buffers(module, buffers),
+            fragments,
+            schedule.period or 1,
+        )
+        self.streaming = len(plan) > 1 or quantized is not None
+        super().__init__(
+            module,
+            optimizers,
+            [averager] + [copy.deepcopy(averager) for _ in plan[1:]],
+            schedule,
+            reduction,
+            buffers,
+            plan,
+            keep_agreement=self.streaming or keep_agreement,
+        )
         self.optimizer_state = check_choice(
             "optimizer_state", optimizer_state, OPTIMIZER_STATE_POLICIES
         )
-        self.overlap = bool(overlap)
+        self.sync_delay = check_sync_delay(sync_delay, overlap, schedule.period)
+        self.overlap = self.sync_delay > 0
+        self.fragment_update_alpha = check_alpha(fragment_update_alpha)
+        self.quantized = quantized
+        self.error_feedback = bool(error_feedback)
+        if self.error_feedback and quantized is None:
+            raise ValueError("error_feedback applies to quantized rounds; set outer_dtype too")
         self.ledger = ledger if ledger is not None else process_ledger()
         self.last_divergence: float | None = None
-        self._round: _Round | None = None
-        self._round_due = False
-        self._swapped: list[tuple[Tensor, Tensor]] | None = None  # (live tensor, local copy)
-        # Whether every replica (parameters and round buffers) is known to be identical, so
-        # that their mean is the live model and evaluating or saving it needs no communication.
-        self._in_consensus = False
         # Set by a compressor (``HyloCompression``) to average the parameters' round deltas
         # itself; buffers and optimizer state still go through ``reduction``.
         self.parameter_mean: ParameterMean | None = None
 
     # ------------------------------------------------------------------ schedule
-
-    @property
-    def world_size(self) -> int:
-        """Number of replicas ``M``."""
-        return self.reduction.world_size
 
     @property
     def in_warmup(self) -> bool:
@@ -157,7 +192,7 @@ class ReplicaAveraging:
 
     @property
     def rounds(self) -> int:
-        """Rounds started so far (restored from checkpoints)."""
+        """Rounds started so far (one per fragment synchronised; restored from checkpoints)."""
         return self.schedule.rounds
 
     @property
@@ -168,157 +203,142 @@ class ReplicaAveraging:
     def count_optimizer_step(self) -> None:
         """Count one optimizer step (once per training step, however many optimizers stepped)."""
         self._in_consensus = False
-        if self.schedule.count_step() and self.averager.averages_during_training:
-            self._round_due = True
+        ends_round = self.schedule.count_step()
+        if not self.averager.averages_during_training:
+            return
+        if len(self.fragments) == 1:
+            if ends_round:
+                self._due = [0]
+            return
+        period = self.schedule.period
+        assert period is not None
+        if self.schedule.phase_step > 0:
+            self._due += due_fragments(self.fragments, self.schedule.phase_step, period)
 
     def synchronize(self) -> None:
         """Do the work due at this step boundary; call it before every step and before reading.
 
-        Applies the round in flight once an optimizer step has passed since it started, starts
-        the averager when local training begins (the replicas agree then), and starts a round
-        if the last counted step ended one.
+        Applies the rounds in flight whose delay has passed, starts the averagers when local
+        training begins (the replicas agree then), and starts the rounds that the last counted
+        step ended.
         """
         if self._swapped is not None:
             return  # evaluation in progress: no step has been taken since it started
-        if self._round is not None and self.schedule.optimizer_steps > self._round.started_at:
-            self._finish_round()
+        steps = self.schedule.optimizer_steps
+        while self._rounds and self._rounds[0].apply_at <= steps:
+            self._finish_round(self._rounds.pop(0))
         if not self.averager.started and not self.schedule.in_warmup:
-            start = [parameter.detach() for parameter in trainable_parameters(self.module)]
-            self.averager.reset(start, self.world_size)
-            if self.parameter_mean is not None:
-                self.parameter_mean.reset(start)
-        if self._round_due:
-            self._round_due = False
-            self._start_round()
+            self._start_averagers()
+        due, self._due = self._due, []
+        for fragment in due:
+            self._start_round(fragment, self.sync_delay)
 
-    # ------------------------------------------------------------------ communication
-
-    def broadcast_replicas(self, src: int = 0) -> None:
-        """Make every replica (all parameters and buffers) equal to rank ``src``'s."""
-        if self.world_size == 1:
-            self._in_consensus = True
-            return
-        tensors = [*self.module.parameters(), *self.module.buffers()]
-        if not tensors:
-            return
-        layout = FlatLayout(tensors)
-        flat = [to_group(buffer) for buffer in layout.pack(tensors)]  # on the group's device
-        for buffer in flat:
-            dist.broadcast(buffer, src=src)
-        with torch.no_grad():
-            for tensor, value in zip(tensors, layout.unpack(flat), strict=True):
-                tensor.copy_(value)
-        self._in_consensus = True
-
-    def average_gradients(self, parameters: Sequence[Tensor] | None = None) -> None:
-        """Replace the gradients of ``parameters`` by their mean over the ranks (warm-up steps).
-
-        A parameter without a gradient takes part with zeros, so that every rank sends the same
-        layout; it then holds the mean of the others' gradients, as under DDP.
-        """
-        if self.world_size == 1:
-            return
-        params = list(parameters) if parameters is not None else trainable_parameters(self.module)
-        params = [parameter for parameter in params if parameter.requires_grad]
-        if not params:
-            return
-        self._wait_in_flight()
-        grads = [
-            parameter.grad if parameter.grad is not None else torch.zeros_like(parameter)
-            for parameter in params
-        ]
-        layout = FlatLayout(grads)
-        flat = layout.pack(grads)
-        self.reduction.all_reduce(flat).wait()
-        with torch.no_grad():
-            for buffer in flat:
-                buffer.div_(self.world_size)
-            for parameter, mean in zip(params, layout.unpack(flat), strict=True):
-                if parameter.grad is None:
-                    parameter.grad = mean.clone()
-                else:
-                    parameter.grad.copy_(mean)
-
-    def _mean(self, tensors: Sequence[Tensor]) -> list[Tensor]:
-        """The mean over the ranks of ``tensors`` (new tensors; blocking)."""
-        if not tensors:
-            return []
-        layout = FlatLayout(tensors)
-        flat = layout.pack(tensors)
-        if self.world_size > 1:
-            self._wait_in_flight()
-            self.reduction.all_reduce(flat).wait()
-            for buffer in flat:
-                buffer.div_(self.world_size)
-        return layout.unpack(flat)
-
-    def _wait_in_flight(self) -> None:
-        """Complete the reduction in flight (its result is still applied on schedule).
-
-        Another reduction must not start while a tree reduction's helper thread may still be
-        issuing collectives on the same groups, or the ranks could issue them in different orders.
-        """
-        if self._round is not None and self._round.work is not None:
-            self._round.work.wait()
-            self._round.work = None
+    def _start_averagers(self) -> None:
+        parameters = [parameter.detach() for parameter in trainable_parameters(self.module)]
+        for fragment, averager in zip(self.fragments, self.averagers, strict=True):
+            start = [parameters[i] for i in fragment.parameters]
+            averager.reset(start, self.world_size)
+            if self._keep_agreement:
+                self.agreements[fragment.index] = Agreement([t.clone() for t in start])
+        if self.parameter_mean is not None:
+            self.parameter_mean.reset(parameters)
 
     # ------------------------------------------------------------------ rounds
 
-    def _round_tensors(self) -> tuple[list[Tensor], int]:
+    def _fragment_tensors(self, fragment: Fragment) -> tuple[list[Tensor], int, int]:
+        """The fragment's live round tensors (parameters, buffers, averaged optimizer state)."""
         parameters = trainable_parameters(self.module)
-        tensors = [*parameters, *round_buffers(self.module, self.buffers)]
+        buffers = round_buffers(self.module, self.buffers)
+        if len(self.fragments) == 1:
+            own_parameters, own_buffers = parameters, buffers
+        else:
+            own_parameters = [parameters[i] for i in fragment.parameters]
+            own_buffers = [buffers[i] for i in fragment.buffers]
+        tensors = [*own_parameters, *own_buffers]
         if self.optimizer_state == "average":
-            tensors += optimizer_state_tensors(self.optimizers)
-        return tensors, len(parameters)
+            only = None if len(self.fragments) == 1 else own_parameters
+            tensors += optimizer_state_tensors(self.optimizers, only)
+        return tensors, len(own_parameters), len(own_buffers)
 
-    def _start_round(self) -> None:
-        tensors, num_parameters = self._round_tensors()
+    def _start_round(self, index: int, delay: int) -> None:
+        fragment = self.fragments[index]
+        tensors, num_parameters, num_buffers = self._fragment_tensors(fragment)
         # Blocking rounds apply before anything moves, so the live tensors are the snapshot.
-        snapshot = [t.detach().clone() if self.overlap else t.detach() for t in tensors]
-        reduced, parameter_means = snapshot, None
+        snapshot = [t.detach().clone() if delay else t.detach() for t in tensors]
+        reduced, parameter_means, delta, delta_work = snapshot, None, None, None
+        self._wait_in_flight()  # one reduction at a time on the groups (see _wait_in_flight)
         start = time.perf_counter()
+        sent = 0.0
+        agreement = self.agreements[index]
         if self.parameter_mean is not None and self.world_size > 1:
+            if len(self.fragments) > 1 or self.quantized is not None:
+                raise ValueError(
+                    "HyloCompression averages whole models: remove fragments and outer_dtype "
+                    "from the strategy, or the callback"
+                )
             # the parameters take their own (blocking) route; the rest the reduction
             parameter_means = self.parameter_mean(snapshot[:num_parameters])
+            reduced = snapshot[num_parameters:]
+        elif self.quantized is not None and self.world_size > 1 and num_parameters:
+            assert agreement is not None  # set when the averagers started
+            delta = flat_delta(snapshot[:num_parameters], agreement.anchor)
+            residuals = None
+            if self.error_feedback:
+                if agreement.residual is None:
+                    agreement.residual = torch.zeros_like(delta)
+                residuals = [agreement.residual]
+            sent += self.quantized.bytes_sent([delta])
+            delta_work = self.quantized.all_reduce([delta], async_op=delay > 0, residuals=residuals)
             reduced = snapshot[num_parameters:]
         layout = FlatLayout(reduced)
         sums = layout.pack(reduced)
         self.schedule.mark_round()
+        sent += self.reduction.bytes_sent(layout.nbytes(sums))
+        self.peak_round_bytes = max(self.peak_round_bytes, sent)
         self.ledger.set_gauge("rounds", self.schedule.rounds)
-        self.ledger.set_gauge("bytes_per_round", self.reduction.bytes_sent(layout.nbytes(sums)))
+        self.ledger.set_gauge("bytes_per_round", sent)
+        self.ledger.set_gauge("peak_round_bytes", self.peak_round_bytes)
         work = None
         if self.world_size > 1 and sums:
-            work = self.reduction.all_reduce(sums, async_op=self.overlap)
-        self._round = _Round(
-            snapshot,
-            layout,
-            sums,
-            work,
-            num_parameters,
-            self.schedule.optimizer_steps,
+            work = self.reduction.all_reduce(sums, async_op=delay > 0)
+        steps = self.schedule.optimizer_steps
+        current = Round(
+            fragment=index,
+            snapshot=snapshot,
+            layout=layout,
+            sums=sums,
+            work=work,
+            num_parameters=num_parameters,
+            num_buffers=num_buffers,
+            started_at=steps,
+            apply_at=steps + delay,
+            delta=delta,
+            delta_work=delta_work,
             blocked_seconds=time.perf_counter() - start,
             parameter_means=parameter_means,
         )
-        if not self.overlap:
-            self._finish_round()
+        if delay:
+            self._rounds.append(current)
+        else:
+            self._finish_round(current)
 
-    def _finish_round(self) -> None:
+    def _finish_round(self, current: Round) -> None:
         """Apply the round's result (waiting for it if needed)."""
-        current = self._round
-        assert current is not None
-        self._round = None
-        if current.work is not None:
-            start = time.perf_counter()
-            current.work.wait()
-            current.blocked_seconds += time.perf_counter() - start
+        start = time.perf_counter()
+        current.wait()
+        current.blocked_seconds += time.perf_counter() - start
         self.ledger.set_gauge("round_wait_s", current.blocked_seconds)
+        index, count = current.fragment, current.num_parameters
+        agreement = self.agreements[index]
         with torch.no_grad():
             for buffer in current.sums:
                 buffer.div_(self.world_size)
             mean = current.layout.unpack(current.sums)
             if current.parameter_means is not None:
                 mean = current.parameter_means + mean
-            count = current.num_parameters
+            elif current.delta is not None:
+                assert agreement is not None
+                mean = add_mean_delta(agreement.anchor, current.delta, self.world_size) + mean
             local_parameters = current.snapshot[:count]
             mean_parameters = mean[:count]
             squared = sum(
@@ -327,32 +347,63 @@ class ReplicaAveraging:
             )
             self.last_divergence = math.sqrt(squared)
             self.ledger.set_gauge("divergence", self.last_divergence)
-            targets = self.averager.update(local_parameters, mean_parameters) + mean[count:]
-            live, _ = self._round_tensors()
+            averager = self.averagers[index]
+            targets = averager.update(local_parameters, mean_parameters) + mean[count:]
+            live, _, _ = self._fragment_tensors(self.fragments[index])
             if [t.shape for t in live] != [t.shape for t in current.snapshot]:
                 raise RuntimeError(
                     "the model or optimizer state changed shape during a round of averaging; "
                     "do not add parameters or optimizer state while training with averaging"
                 )
             moved = self.schedule.optimizer_steps > current.started_at
-            for tensor, snapshot, target in zip(live, current.snapshot, targets, strict=True):
-                if moved:
-                    tensor.copy_(target + (tensor - snapshot))
-                else:
-                    tensor.copy_(target)
-        self._in_consensus = not moved and self.averager.restarts_in_consensus
+            land(live, current.snapshot, targets, moved, self.fragment_update_alpha)
+            if self._keep_agreement:
+                agreed = targets if averager.restarts_in_consensus else mean
+                buffers = mean[count : count + current.num_buffers]
+                residual = agreement.residual if agreement is not None else None
+                self.agreements[index] = Agreement(
+                    [t.detach().clone() for t in agreed[:count]],
+                    [t.detach().clone() for t in buffers],
+                    residual,
+                )
+        self._in_consensus = (
+            len(self.fragments) == 1 and not moved and self.averager.restarts_in_consensus
+        )
         if self.optimizer_state == "reset":
-            reset_optimizer_state(self.optimizers)
+            only = None if len(self.fragments) == 1 else live[:count]
+            reset_optimizer_state(self.optimizers, only)
+
+    def _round_of_every_fragment(self) -> None:
+        """Apply the rounds in flight, then run a blocking round of every fragment now."""
+        while self._rounds:
+            self._finish_round(self._rounds.pop(0))
+        self._due = []
+        for fragment in self.fragments:
+            self._start_round(fragment.index, 0)
+        # the next rounds are staggered again from here, as a round before a validation moves
+        # an unfragmented schedule: the validation's round replaces the ones it anticipates
+        self.schedule.phase_origin = self.schedule.optimizer_steps
+        self._in_consensus = self.averager.restarts_in_consensus
 
     def finish(self) -> None:
-        """End training: apply every pending round, then make every replica the mean."""
+        """End training: apply every pending round, then make every replica the consensus.
+
+        Unfragmented exact rounds end on the replicas' mean (one more exchange, unless they
+        agree already); streaming or quantized rounds end with a round of every fragment that
+        moved since its last one, and every replica takes the fragments' agreed points.
+        """
         self.synchronize()
-        if self._round is not None:
-            self._finish_round()
+        while self._rounds:
+            self._finish_round(self._rounds.pop(0))
         self.restore_replica()
         if self._in_consensus:
             return
-        tensors = [*trainable_parameters(self.module), *round_buffers(self.module, self.buffers)]
+        if self.streaming and self.averager.started and self.world_size > 1:
+            self._round_of_every_fragment()
+            self._put_agreement()
+            self._in_consensus = True
+            return
+        tensors = self._model_tensors()
         with torch.no_grad():
             for tensor, mean in zip(tensors, self._mean(tensors), strict=True):
                 tensor.copy_(mean)
@@ -360,139 +411,42 @@ class ReplicaAveraging:
 
     # ------------------------------------------------------------------ evaluation
 
-    def prepare_evaluation(self, average_first: bool = True) -> None:
+    def prepare_evaluation(self, average_first: bool = True, policy: str | None = None) -> None:
         """Make the model the replicas' consensus for evaluation; undo with :meth:`restore_replica`.
 
         Args:
-            average_first: run a round now if local steps were taken since the last one (the
-                evaluated model is then the model training continues from, and the round's
-                exchange is the only communication); ``False`` evaluates the mean of the
-                replicas without changing them (one extra exchange; training is unaffected).
+            average_first: the same as ``policy="round"`` (``True``) or ``"mean"`` (``False``).
+            policy: ``"round"``: run a round now if local steps were taken since the last one
+                (every fragment's, when fragmented; the evaluated model is then the model
+                training continues from, and the round's exchange is the only communication);
+                ``"mean"``: evaluate the mean of the replicas without changing them (one extra
+                exchange; training is unaffected); ``"global"``: evaluate every fragment's last
+                agreed point (the global model of BMUF and DiLoCo, the last mean otherwise),
+                with no communication; before every fragment has had a round, the mean.
         """
+        policy = policy if policy is not None else ("round" if average_first else "mean")
         self.synchronize()
-        if average_first:
-            if self._round is not None:
-                self._finish_round()  # nothing moved since it started: applied as is
-            if (
-                self.averager.averages_during_training
-                and self.averager.started
-                and self.schedule.local_steps > 0
-            ):
-                self._round_due = False
-                self._start_round()
-                if self._round is not None:
-                    self._finish_round()
+        agreed = self.averager.started and all(
+            agreement is not None and agreement.buffers is not None for agreement in self.agreements
+        )
+        if policy == "global" and agreed and self._swapped is None and not self._in_consensus:
+            tensors = self._model_tensors()
+            self._swapped = [(tensor, tensor.detach().clone()) for tensor in tensors]
+            self._put_agreement()
+            return
+        if policy == "round":
+            if len(self.fragments) > 1 and self.averager.started:
+                if self.schedule.phase_step > 0 or self._rounds:
+                    self._round_of_every_fragment()
+            else:
+                while self._rounds:  # nothing moved since they started: applied as they are
+                    self._finish_round(self._rounds.pop(0))
+                if (
+                    self.averager.averages_during_training
+                    and self.averager.started
+                    and self.schedule.local_steps > 0
+                ):
+                    self._due = []
+                    self._start_round(0, 0)
         if not self._in_consensus:
             self.swap_in_mean()
-
-    def swap_in_mean(self) -> None:
-        """Put the replicas' mean into the model for validation (undo: :meth:`restore_replica`)."""
-        if self._swapped is not None:
-            return
-        tensors = [*trainable_parameters(self.module), *round_buffers(self.module, self.buffers)]
-        means = self._mean(tensors)
-        with torch.no_grad():
-            self._swapped = [(tensor, tensor.detach().clone()) for tensor in tensors]
-            for tensor, mean in zip(tensors, means, strict=True):
-                tensor.copy_(mean)
-
-    def restore_replica(self) -> None:
-        """Put this rank's own replica back after :meth:`swap_in_mean`."""
-        if self._swapped is None:
-            return
-        with torch.no_grad():
-            for tensor, local in self._swapped:
-                tensor.copy_(local)
-        self._swapped = None
-
-    def averaged_state_dict(self) -> dict[str, Any]:
-        """``module.state_dict()`` with the mean of the replicas (the model to save or evaluate).
-
-        Collective: every rank must call it. Buffers follow the buffer policy (``local``: this
-        rank's own).
-        """
-        state = self.module.state_dict(keep_vars=True)
-        if self._swapped is None and not self._in_consensus:
-            tensors = [
-                *trainable_parameters(self.module),
-                *round_buffers(self.module, self.buffers),
-            ]
-            means = {id(tensor): mean for tensor, mean in zip(tensors, self._mean(tensors))}
-        else:
-            means = {}
-        return _detached_copy(state, means)
-
-    # ------------------------------------------------------------------ checkpoint
-
-    def state_dict(self) -> dict[str, Any]:
-        """State identical on every rank: schedule counters and the averager's state."""
-        return {
-            "schedule": self.schedule.state_dict(),
-            "averager": self.averager.state_dict() if self.averager.started else None,
-            "round_due": self._round_due,
-            "in_consensus": self._in_consensus,
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`."""
-        self.schedule.load_state_dict(state["schedule"])
-        if state.get("averager") is not None:
-            self.averager.load_state_dict(state["averager"])
-            self.averager.to(self._device())
-        self._round_due = bool(state.get("round_due", False))
-        self._in_consensus = bool(state.get("in_consensus", False))
-
-    def _device(self) -> torch.device:
-        """The model's device (its first parameter's; the CPU for a model without any)."""
-        return next(self.module.parameters(), torch.empty(0)).device
-
-    def local_state_dict(self) -> dict[str, Any]:
-        """This rank's own state: its replica, its optimizers' state and the round in flight."""
-        self._wait_in_flight()
-        local = {id(tensor): saved for tensor, saved in self._swapped or []}
-        model = _detached_copy(self.module.state_dict(keep_vars=True), local)
-        pending = None
-        if self._round is not None:
-            pending = {
-                "snapshot": [tensor.clone() for tensor in self._round.snapshot],
-                "sums": [tensor.clone() for tensor in self._round.sums],
-                "num_parameters": self._round.num_parameters,
-                "started_at": self._round.started_at,
-            }
-        return {
-            "model": model,
-            "optimizers": [copy.deepcopy(optimizer.state_dict()) for optimizer in self.optimizers],
-            "pending_round": pending,
-        }
-
-    def load_local_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`local_state_dict` (the module and optimizers must exist)."""
-        self.restore_replica()
-        self.module.load_state_dict(state["model"])
-        for optimizer, optimizer_state in zip(self.optimizers, state["optimizers"], strict=True):
-            optimizer.load_state_dict(optimizer_state)
-        pending = state.get("pending_round")
-        self._round = None
-        if pending is not None:
-            # the replica file was loaded onto the CPU; the round's tensors live with the model
-            device = self._device()
-            snapshot = move_all(pending["snapshot"], device)
-            self._round = _Round(
-                snapshot=snapshot,
-                layout=FlatLayout(snapshot),
-                sums=move_all(pending["sums"], device),
-                work=None,
-                num_parameters=int(pending["num_parameters"]),
-                started_at=int(pending["started_at"]),
-            )
-
-
-def _detached_copy(state: dict[str, Any], replace: dict[int, Tensor]) -> dict[str, Any]:
-    """A copy of ``state`` whose tensors are detached clones, some replaced by identity."""
-    copied: dict[str, Any] = {}
-    for key, value in state.items():
-        if isinstance(value, Tensor):
-            copied[key] = replace.get(id(value), value).detach().clone()
-        else:
-            copied[key] = value
-    return copied

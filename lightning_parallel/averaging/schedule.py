@@ -35,6 +35,9 @@ class AveragingSchedule:
         self.optimizer_steps = 0
         self.rounds = 0
         self.last_round_step = 0
+        # streaming rounds count their fragments' phases from here: the end of the warm-up,
+        # or the last round of every fragment at once (before a validation)
+        self.phase_origin = 0
 
     @property
     def in_warmup(self) -> bool:
@@ -52,6 +55,11 @@ class AveragingSchedule:
             return False
         return step - max(self.warmup_steps, self.last_round_step) >= self.period
 
+    @property
+    def phase_step(self) -> int:
+        """Steps since the fragments' phases started (the warm-up's end or a full round)."""
+        return self.optimizer_steps - max(self.warmup_steps, self.phase_origin)
+
     def mark_round(self) -> None:
         """Record that a round starts now: the next one is due ``H`` steps later."""
         self.rounds += 1
@@ -68,6 +76,7 @@ class AveragingSchedule:
             "optimizer_steps": self.optimizer_steps,
             "rounds": self.rounds,
             "last_round_step": self.last_round_step,
+            "phase_origin": self.phase_origin,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -75,3 +84,4 @@ class AveragingSchedule:
         self.optimizer_steps = int(state["optimizer_steps"])
         self.rounds = int(state["rounds"])
         self.last_round_step = int(state.get("last_round_step", 0))
+        self.phase_origin = int(state.get("phase_origin", 0))

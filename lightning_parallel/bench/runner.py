@@ -241,8 +241,14 @@ def summarize(
             "compression_ratio": compression,
             "bubble_fraction": gauges.get("bubble_fraction"),
             "staleness_mean": gauges.get("staleness_mean"),
+            "peak_round_bytes": gauges.get("peak_round_bytes"),
             "warmup_steps_excluded": warmup,
             "wire_bytes_per_step_per_host": wire,
+            # the first host's interface after every step: [seconds, bytes sent so far]
+            "wire_trace": next(
+                (r.get("tx_trace") for r in records if r["local_rank"] == 0 and r["tx_bytes"]),
+                None,
+            ),
             "reported_bytes_per_step_per_host": reported,
             "comm_seconds_per_step": sum(r["comm_seconds"] for r in records)
             / (len(records) * max(1, steps)),

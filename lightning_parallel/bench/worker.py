@@ -102,6 +102,8 @@ def _make_probe(
             self.train_seconds = 0.0
             self.tx_start: int | None = None
             self.tx_end: int | None = None
+            # [seconds since training started, bytes sent since then] after every step
+            self.tx_trace: list[list[float]] = []
             self.footprint: dict[str, int | None] = dict.fromkeys(
                 ("param_bytes", "grad_bytes", "optimizer_bytes")
             )
@@ -138,6 +140,11 @@ def _make_probe(
         ) -> None:
             self._previous_end = time.perf_counter()
             self.step_seconds.append(self._previous_end - self._batch_start)
+            if self.tx_start is not None:
+                sent = _tx_bytes(interface)
+                if sent is not None:
+                    wall = self._previous_end - self.train_start
+                    self.tx_trace.append([round(wall, 4), float(sent - self.tx_start)])
             if progress is not None:
                 progress.steps += 1
             if progress_every is not None and self._previous_end - self._printed > progress_every:
@@ -311,6 +318,7 @@ def train(args: argparse.Namespace, progress: _Progress | None = None) -> dict[s
         "tx_bytes": None
         if probe.tx_start is None or probe.tx_end is None
         else probe.tx_end - probe.tx_start,
+        "tx_trace": probe.tx_trace,
         "reported_bytes": stats.totals.bytes_sent,
         "reported_steps": stats.totals.steps,
         "comm_seconds": stats.totals.comm_seconds,

@@ -15,10 +15,11 @@ What it guarantees, where Lightning's ``model_averaging_period`` and torch's
    before every optimizer step, exactly as DDP), then no gradient is communicated (the model
    is never wrapped in ``DistributedDataParallel``);
 3. validation runs on averaged models (a round runs first, or the mean of the replicas is
-   swapped in and out: ``before_validation``), every checkpoint's ``state_dict`` is the mean
-   of the replicas (the replicas are not touched: saving never changes training), and at the
-   end of ``fit`` every replica becomes the mean, so that spawn/fork's parent process receives
-   the averaged model;
+   swapped in and out, or each fragment's last agreed point: ``before_validation``), every
+   checkpoint's ``state_dict`` is the mean of the replicas (the replicas are not touched:
+   saving never changes training), and at the end of ``fit`` every replica becomes the mean
+   (the fragments' agreed points, with streaming or quantized rounds), so that spawn/fork's
+   parent process receives the averaged model;
 4. checkpoints carry everything needed to resume exactly under the key ``"model_averaging"``:
    the step counter and rounds, the averager's state (global model, block momentum, center
    variable, outer optimizer), every rank's own replica and optimizer state, and a round in
@@ -26,9 +27,13 @@ What it guarantees, where Lightning's ``model_averaging_period`` and torch's
    ``ddp`` or on one device;
 5. BatchNorm buffers (``buffers``) and optimizer state (``optimizer_state``) follow a
    policy chosen by the user; the reduction is a flat allreduce or a host-shaped tree
-   (``reduce="tree"``), blocking or overlapped with the next step (``overlap=True``);
+   (``reduce="tree"``), blocking or running behind training for ``sync_delay`` steps
+   (``overlap=True``: one step); streaming rounds (``fragments``) synchronise the model a
+   fragment at a time at staggered steps, and ``outer_dtype`` sends the parameters' deltas in
+   bf16, int8 or int4 (Streaming DiLoCo, Douillard et al., arXiv 2501.18512);
 6. each round sets the gauges ``rounds``, ``divergence`` (``‖x_i − x̄‖`` before averaging),
-   ``bytes_per_round`` and ``round_wait_s`` in the process ledger, which ``CommStats`` logs.
+   ``bytes_per_round``, ``peak_round_bytes`` and ``round_wait_s`` in the process ledger, which
+   ``CommStats`` logs.
 
 Registered names: ``model_averaging`` and ``local_sgd`` (periodic, ``period=8``), ``bmuf``
 (Nesterov block momentum 0.5 with block learning rate 0.5, ``period=8``), ``easgd``
@@ -86,7 +91,10 @@ from lightning_parallel.averaging.policies import (
     OPTIMIZER_STATE_POLICIES,
     check_choice,
 )
+from lightning_parallel.averaging.quantize import OUTER_DTYPES, BlockQuantizer
+from lightning_parallel.averaging.quantized_gather import QuantizedAllGather
 from lightning_parallel.averaging.reduction import REDUCE_KINDS
+from lightning_parallel.averaging.rounds import check_alpha, check_sync_delay
 from lightning_parallel.comm.modules import broadcast_module_states, optimizers_to_device
 from lightning_parallel.comm.tree import ranks_per_host_from_environment
 from lightning_parallel.compat import register_strategy
@@ -100,7 +108,7 @@ __all__ = ["ModelAveragingStrategy"]
 #: Key of the averaging state in a Lightning checkpoint.
 CHECKPOINT_KEY = "model_averaging"
 
-VALIDATION_POLICIES: tuple[str, ...] = ("round", "mean")
+VALIDATION_POLICIES: tuple[str, ...] = ("round", "mean", "global")
 ALGORITHMS: tuple[str, ...] = ("periodic", "one_shot", "bmuf", "easgd", "outer_optimizer")
 _ALIASES = {"local_sgd": "periodic", "model_averaging": "periodic", "diloco": "outer_optimizer"}
 _HYPERPARAMETERS = {
@@ -141,13 +149,31 @@ class ModelAveragingStrategy(ParallelStrategyBase):
         reduce: ``"flat"`` (default; one ring allreduce) or ``"tree"`` (inside each host, then
             across hosts among one leader per host, then back inside).
         overlap: start each round's reduction asynchronously and apply it one step later,
-            keeping that step's progress (default ``False``: block).
+            keeping that step's progress (default ``False``: block); ``sync_delay=1``.
+        fragments: streaming rounds (Streaming DiLoCo): cut the model into ``F`` fragments of
+            whole layers, balanced by bytes, each synchronised once per ``period`` at its own
+            step, so that a round sends one fragment (default 1: the whole model at once).
+        sync_delay: optimizer steps ``τ`` a round's exchange runs in the background before it
+            is applied (default 0, or 1 with ``overlap``; less than ``period``).
+        fragment_update_alpha: how a delayed round merges with the ``τ`` steps taken
+            meanwhile: ``None`` (default) keeps them, ``x ← target + (x − x_start)``; a number
+            ``α`` in ``[0, 1]`` mixes as Streaming DiLoCo does, ``x ← α·x + (1 − α)·target``.
+        outer_dtype: what a round sends for the parameters: ``"fp32"`` (default; the values,
+            exact), or each replica's delta from the last agreed point in ``"bf16"``,
+            ``"int8"`` or ``"int4"`` (block-wise scales; lower: fewer bytes, more error).
+            Buffers and averaged optimizer state still travel in full precision.
+        outer_error_feedback: keep what ``outer_dtype`` dropped and send it with the same
+            fragment's next round (default ``False``).
         before_validation: ``"round"`` (default): a validation that follows local steps first
-            runs a round, validates the model training continues from, and the next round
-            comes ``period`` steps later (no extra communication; how often you validate
-            shapes the schedule); ``"mean"``: validate the mean of the replicas and restore
-            each replica afterwards (one extra model exchange per validation; training is
-            independent of validation).
+            runs a round (of every fragment), validates the model training continues from, and
+            the next round comes ``period`` steps later (the fragments staggered again from
+            there; no extra communication; how often you validate shapes the schedule);
+            ``"mean"``: validate the mean of the replicas and restore each replica afterwards
+            (one extra full-precision model exchange per validation; training is independent
+            of validation); ``"global"``: validate every fragment's last agreed point (the
+            global model for ``diloco`` and ``bmuf``), with no communication at all; fragmented,
+            those points are from different steps, and validated worse (docs: Streaming
+            rounds).
         ranks_per_host: processes per host for ``reduce="tree"``; default ``LOCAL_WORLD_SIZE``,
             else the trainer's ``devices``.
         block_momentum: BMUF's ``η`` (default 0.5; the paper's ``1 − 1/M`` is 0.5 for 2
@@ -191,7 +217,12 @@ class ModelAveragingStrategy(ParallelStrategyBase):
         optimizer_state: Literal["keep", "average", "reset"] = "keep",
         reduce: Literal["flat", "tree"] = "flat",
         overlap: bool | str = False,
-        before_validation: Literal["round", "mean"] = "round",
+        before_validation: Literal["round", "mean", "global"] = "round",
+        fragments: int | str = 1,
+        sync_delay: int | str | None = None,
+        fragment_update_alpha: float | str | None = None,
+        outer_dtype: Literal["fp32", "bf16", "int8", "int4"] = "fp32",
+        outer_error_feedback: bool | str = False,
         ranks_per_host: int | str | None = None,
         block_momentum: float | str | None = None,
         block_learning_rate: float | str | None = None,
@@ -241,6 +272,27 @@ class ModelAveragingStrategy(ParallelStrategyBase):
         )
         self.reduce_kind = check_choice("reduce", reduce, REDUCE_KINDS)
         self.overlap = bool(optional_bool("overlap", overlap))
+        self.fragments = _optional_int("fragments", fragments) or 1
+        if self.fragments < 1 or (self.period is not None and self.fragments > self.period):
+            raise ValueError(
+                f"fragments must be between 1 and period ({self.period}), got {self.fragments}"
+            )
+        if self.fragments > 1 and self.period is None:
+            raise ValueError("fragments > 1 needs rounds during training; one_shot has none")
+        self.sync_delay = check_sync_delay(
+            _optional_int("sync_delay", sync_delay), self.overlap, self.period
+        )
+        self.fragment_update_alpha = check_alpha(
+            _optional_float("fragment_update_alpha", fragment_update_alpha)
+        )
+        self.outer_dtype = check_choice("outer_dtype", outer_dtype, OUTER_DTYPES)
+        feedback = optional_bool("outer_error_feedback", outer_error_feedback)
+        self.outer_error_feedback = bool(feedback)
+        if self.outer_error_feedback and self.outer_dtype == "fp32":
+            raise ValueError(
+                "outer_error_feedback keeps what a low-precision outer_dtype drops; with "
+                "outer_dtype='fp32' nothing is dropped: set outer_dtype or remove it"
+            )
         self.before_validation = check_choice(
             "before_validation", before_validation, VALIDATION_POLICIES
         )
@@ -294,7 +346,14 @@ class ModelAveragingStrategy(ParallelStrategyBase):
             reduction=build_reduction(self.reduce_kind, ranks_per_host),
             buffers=self.buffer_policy,
             optimizer_state=self.optimizer_state_policy,
-            overlap=self.overlap,
+            fragments=self.fragments,
+            sync_delay=self.sync_delay,
+            fragment_update_alpha=self.fragment_update_alpha,
+            quantized=None
+            if self.outer_dtype == "fp32"
+            else QuantizedAllGather(BlockQuantizer(self.outer_dtype)),
+            error_feedback=self.outer_error_feedback,
+            keep_agreement=self.before_validation == "global",
         )
 
     @override
@@ -336,7 +395,7 @@ class ModelAveragingStrategy(ParallelStrategyBase):
     def on_validation_start(self) -> None:
         super().on_validation_start()
         if self.averaging is not None:
-            self.averaging.prepare_evaluation(average_first=self.before_validation == "round")
+            self.averaging.prepare_evaluation(policy=self.before_validation)
 
     @override
     def on_validation_end(self) -> None:
@@ -431,13 +490,16 @@ class ModelAveragingStrategy(ParallelStrategyBase):
         algorithm = type(averaging.averager).__name__
         replica = self._saved_replica(restored)
         reason = None
-        if restored.get("world_size") != averaging.world_size or (
-            restored.get("algorithm") != algorithm
+        fragments = restored["shared"].get("fragments", 1)
+        if (
+            restored.get("world_size") != averaging.world_size
+            or restored.get("algorithm") != algorithm
+            or fragments != len(averaging.fragments)
         ):
             reason = (
                 f"the checkpoint's model averaging ran {restored.get('algorithm')} on "
-                f"{restored.get('world_size')} processes, this run {algorithm} on "
-                f"{averaging.world_size}"
+                f"{restored.get('world_size')} processes in {fragments} fragment(s), this run "
+                f"{algorithm} on {averaging.world_size} in {len(averaging.fragments)}"
             )
         elif replica is None:
             reason = (

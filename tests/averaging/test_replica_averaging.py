@@ -380,7 +380,7 @@ def _resume_on_meta(rank: int, world: int) -> set[str]:
     engine.load_state_dict(shared)
     engine.load_local_state_dict(local)
     state = engine.averager.state_dict()
-    pending = engine.local_state_dict()["pending_round"]
+    pending = engine.local_state_dict()["pending_rounds"][0]
     tensors = [*state["global_model"], *state["block_momentum"], *pending["snapshot"]]
     return {t.device.type for t in [*tensors, *pending["sums"]]}
 

@@ -247,6 +247,18 @@ def test_validation_policies_round_and_mean(tmp_path: Path) -> None:
         ({"algorithm": "diloco", "optimizer_state": "average", "overlap": True}, 0.9, 0),
         ({"algorithm": "easgd", "reduce": "tree"}, 0.0, 0),
         ({"algorithm": "periodic", "buffers": "local"}, 0.9, 1),  # saved after validation
+        # streaming: fragment 1's round (started at step 4) is in flight at the step-5 save
+        (
+            {
+                "algorithm": "diloco",
+                "fragments": 2,
+                "sync_delay": 2,
+                "outer_dtype": "int4",
+                "outer_error_feedback": True,
+            },
+            0.9,
+            1,
+        ),
     ],
 )
 def test_resume_mid_round_equals_uninterrupted(
@@ -278,7 +290,12 @@ def test_checkpoint_holds_the_mean_and_loads_anywhere(tmp_path: Path) -> None:
     path = tmp_path / "mid.ckpt"
     saved = torch.load(path, weights_only=False)
     state = saved[CHECKPOINT_KEY]
-    assert state["shared"]["schedule"] == {"optimizer_steps": 5, "rounds": 1, "last_round_step": 4}
+    assert state["shared"]["schedule"] == {
+        "optimizer_steps": 5,
+        "rounds": 1,
+        "last_round_step": 4,
+        "phase_origin": 0,
+    }
     assert "replicas" not in state  # each rank's replica is in a file of its own
     replicas = [
         replica_files.load_replica(replica_files.replica_path(path, state["replica_files"], rank))[
@@ -414,6 +431,13 @@ def test_registered_names_and_bench_style_construction() -> None:
         ),
         ({"warmup_steps": -1}, "warmup_steps"),
         ({"overlap": "maybe"}, "overlap must be true or false"),
+        ({"period": 4, "fragments": 5}, "fragments must be between 1 and period"),
+        ({"period": 4, "sync_delay": 4}, "smaller than the period"),
+        ({"overlap": True, "sync_delay": 0}, "overlap=True"),
+        ({"fragment_update_alpha": 2}, r"\[0, 1\]"),
+        ({"outer_dtype": "fp8"}, "outer_dtype must be one of"),
+        ({"outer_error_feedback": True}, "outer_error_feedback keeps"),
+        ({"before_validation": "center"}, "before_validation must be one of"),
     ],
 )
 def test_bad_arguments_fail_at_construction(kwargs: dict[str, Any], message: str) -> None:
@@ -434,3 +458,29 @@ def test_sync_batchnorm_is_refused() -> None:
             enable_checkpointing=False,
             max_steps=1,
         ).fit(Regression())
+
+
+def test_streaming_rounds_send_one_fragment_each_and_validate_the_global_model(
+    tmp_path: Path,
+) -> None:
+    strategy = averaging(
+        algorithm="diloco",
+        period=4,
+        fragments=2,
+        sync_delay=1,
+        outer_dtype="int8",
+        before_validation="global",
+    )
+    model = Regression(momentum=0.9)
+    fit(model, strategy, tmp_path, max_epochs=2, limit_val_batches=1)
+    for record in records(tmp_path):
+        # fragment 0 (first Linear) at local steps 2, 6, 10; fragment 1 at 4, 8 (the round due
+        # after step 10 starts when the last validation synchronizes)
+        assert record["rounds"] == 5
+        # one int8 fragment a round: a single 256-value block and its scale, sent once
+        assert record["gauges"]["peak_round_bytes"] == 256 + 4
+        assert len(record["validation_checks"]) == 2
+    # the parent's model is the fragments' agreed point, which both ranks ended on
+    replicas = torch.tensor([record["replica"] for record in records(tmp_path)])
+    assert (replicas[0] - replicas[1]).abs().max() > 1e-4  # they had diverged before the end
+    assert torch.isfinite(flat(model)).all()
