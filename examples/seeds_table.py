@@ -9,13 +9,13 @@ prints one Markdown row per spec: wire and reported MB per step, the largest ave
 (``extra.peak_round_bytes``), median step, time to the bench's target and final validation
 accuracy, each as the mean over the files with its range (min–max), and the ratios of the
 means to the ``--baseline`` spec's. ``--wire-plot`` draws the bytes the first host sent in
-each second of training, per spec, from the first file (the bench's ``extra.wire_trace``).
+training so far, per spec, against steps and seconds, from the first file (the bench's
+``extra.wire_trace``).
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import statistics
 from collections.abc import Sequence
@@ -94,34 +94,37 @@ def table(files: Sequence[Path], baseline: str | None) -> str:
     return "\n".join(lines)
 
 
-def wire_plot(file: Path, target: Path) -> None:
-    """Bytes the first host sent per second of training, one line per spec (needs matplotlib)."""
+def wire_plot(file: Path, target: Path, specs: Sequence[str] = ()) -> None:
+    """Megabytes the first host sent so far, after every step and against time, one line per
+    spec (``specs``: only those; needs matplotlib): a round is a stair, as high as the bytes
+    it sent."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     document = json.loads(Path(file).read_text())
-    figure, axis = plt.subplots(figsize=(8, 4))
+    figure, (by_step, by_time) = plt.subplots(1, 2, figsize=(11, 4))
     for run in document["runs"]:
         trace = (run.get("extra") or {}).get("wire_trace") or []
-        if len(trace) < 2:
+        if not trace or (specs and run["spec"] not in specs):
             continue
-        seconds = [point[0] for point in trace]
-        rates = [0.0] + [  # MB/s between two step ends
-            (b[1] - a[1]) / 1e6 / max(b[0] - a[0], 1e-9) for a, b in itertools.pairwise(trace)
-        ]
-        axis.step(seconds, rates, where="pre", label=run["spec"], linewidth=1)
+        sent = [0.0] + [point[1] / 1e6 for point in trace]
+        by_step.step(range(len(sent)), sent, where="post", label=run["spec"], linewidth=1)
+        by_time.plot([0.0] + [point[0] for point in trace], sent, label=run["spec"], linewidth=1)
     config = document["config"]
-    axis.set_xlabel("seconds of training")
-    axis.set_ylabel("MB/s sent by host 0 (between step ends)")
-    axis.set_title(
+    by_step.set_xlabel("training step")
+    by_time.set_xlabel("seconds of training")
+    for axis in (by_step, by_time):
+        axis.set_ylabel("MB sent by host 0 so far")
+        axis.grid(alpha=0.3)
+    by_step.legend(fontsize=7)
+    figure.suptitle(
         f"{config['model']} on {config['data']}, {config['hosts']} hosts at "
-        f"{config['bandwidth']}, seed {config['seed']}"
+        f"{config['bandwidth']}, seed {config['seed']}: bytes on the wire"
     )
-    axis.legend(fontsize=8)
     figure.tight_layout()
-    figure.savefig(target, dpi=120)
+    figure.savefig(target, dpi=110)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -129,10 +132,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("files", nargs="+", type=Path, help="bench --json files, one per seed")
     parser.add_argument("--baseline", help="the spec the ratios are taken against")
     parser.add_argument("--wire-plot", type=Path, help="PNG of bytes on the wire over time")
+    parser.add_argument(
+        "--plot-spec", action="append", default=[], help="draw only this spec (repeatable)"
+    )
     args = parser.parse_args(argv)
     print(table(args.files, args.baseline))
     if args.wire_plot is not None:
-        wire_plot(args.files[0], args.wire_plot)
+        wire_plot(args.files[0], args.wire_plot, args.plot_spec)
         print(f"wrote {args.wire_plot}")
 
 

@@ -1,3 +1,4 @@
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -101,3 +102,92 @@ def test_bench_matrix_cells_say_fit_refusal_or_failure():
     refused = {"ok": False, "refused": True, "error": "ValueError: feeds one input | two\nmore"}
     assert module.cell(refused) == "refused: ValueError: feeds one input / two"
     assert module.cell({"ok": False, "error": "rank 0: boom"}) == "FAILED: rank 0: boom"
+
+
+def _bench_json(path, seed, runs):
+    config = {
+        "model": "vgg_mini",
+        "data": "digits",
+        "hosts": 2,
+        "bandwidth": "100mbit",
+        "seed": seed,
+    }
+    path.write_text(json.dumps({"config": config, "runs": runs}))
+    return path
+
+
+def _run(spec, wire, peak, to_target, acc):
+    return {
+        "spec": spec,
+        "ok": True,
+        "wire_bytes_per_step": wire,
+        "reported_bytes_per_step": wire,
+        "step_time_s": {"median": 0.1},
+        "time_to_target_s": to_target,
+        "val_acc": acc,
+        "extra": {"peak_round_bytes": peak, "wire_trace": [[1.0, wire], [2.0, 2 * wire]]},
+    }
+
+
+def test_seeds_table_gives_means_ranges_and_ratios(tmp_path):
+    files = [
+        _bench_json(
+            tmp_path / f"s{seed}.json",
+            seed,
+            [
+                _run("base", 4e6, 40e6, 50.0 + seed, 0.9),
+                _run("new", 1e6, 8e6, None if seed else 20.0, 0.92),
+            ],
+        )
+        for seed in (0, 1)
+    ]
+    plot = tmp_path / "wire.png"
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "examples" / "seeds_table.py"),
+            *map(str, files),
+            "--baseline",
+            "base",
+            "--wire-plot",
+            str(plot),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (
+        "| `base` | 2 | 4.00 (4.00–4.00) | 4.00 (4.00–4.00) | 40.00 (40.00–40.00) |"
+        in result.stdout
+    )
+    assert "50.5 (50.0–51.0) (2/2 reached)" in result.stdout
+    assert "20.0 (1/2 reached)" in result.stdout  # the seed that never reached it is counted
+    assert "wire MB/step 0.25x" in result.stdout and "largest round MB 0.20x" in result.stdout
+    assert "val acc +2.0 points" in result.stdout
+    assert plot.stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_averaging_seeds_example_prints_the_accuracy(tmp_path):
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "examples" / "averaging_seeds.py"),
+            "--model",
+            "convnet",
+            "--epochs",
+            "1",
+            "algorithm=diloco",
+            "period=4",
+            "fragments=2",
+            "sync_delay=1",
+            "outer_dtype=int8",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "seed=0 val_acc=" in result.stdout

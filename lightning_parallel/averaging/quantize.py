@@ -86,6 +86,11 @@ class BlockQuantizer:
         padded[: flat.numel()] = flat
         shaped = padded.view(blocks, self.block_size)
         scales = shaped.abs().amax(dim=1) / levels  # (blocks,)
+        if not bool(torch.isfinite(scales).all()):
+            raise FloatingPointError(
+                f"cannot quantize to {self.dtype}: the values hold inf or NaN (the replicas "
+                "diverged; lower the learning rate or the period)"
+            )
         safe = torch.where(scales > 0, scales, torch.ones_like(scales))
         codes = torch.round(shaped / safe.unsqueeze(1)).clamp_(-levels, levels)
         if self.dtype == "int8":

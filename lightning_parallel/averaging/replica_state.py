@@ -57,6 +57,7 @@ class ReplicaState:
         self._rounds: list[Round] = []
         self._due: list[int] = []
         self._swapped: list[tuple[Tensor, Tensor]] | None = None  # (live tensor, local copy)
+        self._swapped_mean = True  # what is swapped in: the mean, or the agreed points
         # Whether every replica (parameters and round buffers) is known to be identical, so
         # that their mean is the live model and evaluating or saving it needs no communication.
         self._in_consensus = False
@@ -65,6 +66,12 @@ class ReplicaState:
     def averager(self) -> Averager:
         """The algorithm (the first fragment's copy when the model is fragmented)."""
         return self.averagers[0]
+
+    @property
+    def keeps_agreement(self) -> bool:
+        """Whether each fragment's last agreed point is kept (streaming, quantized, or for
+        ``policy="global"`` evaluation): a checkpoint resumes exactly only into a run alike."""
+        return self._keep_agreement
 
     @property
     def world_size(self) -> int:
@@ -167,6 +174,7 @@ class ReplicaState:
         means = self._mean(tensors)
         with torch.no_grad():
             self._swapped = [(tensor, tensor.detach().clone()) for tensor in tensors]
+            self._swapped_mean = True
             for tensor, mean in zip(tensors, means, strict=True):
                 tensor.copy_(mean)
 
@@ -186,14 +194,15 @@ class ReplicaState:
         rank's own).
         """
         state = self.module.state_dict(keep_vars=True)
-        if self._swapped is None and not self._in_consensus:
-            tensors = [
-                *trainable_parameters(self.module),
-                *round_buffers(self.module, self.buffers),
-            ]
+        means: dict[int, Tensor] = {}
+        if self._swapped is not None and not self._swapped_mean:
+            # the agreed points are swapped in for validation: the mean is of the replicas
+            live = [tensor for tensor, _ in self._swapped]
+            replicas = self._mean([local for _, local in self._swapped])
+            means = {id(tensor): mean for tensor, mean in zip(live, replicas)}
+        elif self._swapped is None and not self._in_consensus:
+            tensors = self._model_tensors()
             means = {id(tensor): mean for tensor, mean in zip(tensors, self._mean(tensors))}
-        else:
-            means = {}
         return _detached_copy(state, means)
 
     # ------------------------------------------------------------------ checkpoint
@@ -208,6 +217,7 @@ class ReplicaState:
             "round_due": bool(self._due),
             "in_consensus": self._in_consensus,
             "fragments": len(self.fragments),
+            "agreements_kept": self._keep_agreement,
             "peak_round_bytes": self.peak_round_bytes,
         }
         if len(self.fragments) > 1:

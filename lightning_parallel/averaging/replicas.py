@@ -42,6 +42,7 @@ from lightning_parallel.averaging.rounds import (
 )
 from lightning_parallel.averaging.schedule import AveragingSchedule
 from lightning_parallel.comm.ledger import CommLedger, process_ledger
+from lightning_parallel.comm.tree import TreeAllReduce
 
 __all__: list[str] = []
 
@@ -236,7 +237,12 @@ class ReplicaAveraging(ReplicaState):
     def _start_averagers(self) -> None:
         parameters = [parameter.detach() for parameter in trainable_parameters(self.module)]
         for fragment, averager in zip(self.fragments, self.averagers, strict=True):
-            start = [parameters[i] for i in fragment.parameters]
+            # unfragmented: whatever trains now, as _fragment_tensors takes it
+            start = (
+                parameters
+                if len(self.fragments) == 1
+                else [parameters[i] for i in fragment.parameters]
+            )
             averager.reset(start, self.world_size)
             if self._keep_agreement:
                 self.agreements[fragment.index] = Agreement([t.clone() for t in start])
@@ -266,7 +272,8 @@ class ReplicaAveraging(ReplicaState):
         # Blocking rounds apply before anything moves, so the live tensors are the snapshot.
         snapshot = [t.detach().clone() if delay else t.detach() for t in tensors]
         reduced, parameter_means, delta, delta_work = snapshot, None, None, None
-        self._wait_in_flight()  # one reduction at a time on the groups (see _wait_in_flight)
+        if isinstance(self.reduction, TreeAllReduce):
+            self._wait_in_flight()  # one tree reduction at a time (see _wait_in_flight)
         start = time.perf_counter()
         sent = 0.0
         agreement = self.agreements[index]
@@ -389,8 +396,8 @@ class ReplicaAveraging(ReplicaState):
         """End training: apply every pending round, then make every replica the consensus.
 
         Unfragmented exact rounds end on the replicas' mean (one more exchange, unless they
-        agree already); streaming or quantized rounds end with a round of every fragment that
-        moved since its last one, and every replica takes the fragments' agreed points.
+        agree already); streaming or quantized rounds end with a round of every fragment, and
+        every replica takes the fragments' agreed points.
         """
         self.synchronize()
         while self._rounds:
@@ -421,7 +428,7 @@ class ReplicaAveraging(ReplicaState):
                 training continues from, and the round's exchange is the only communication);
                 ``"mean"``: evaluate the mean of the replicas without changing them (one extra
                 exchange; training is unaffected); ``"global"``: evaluate every fragment's last
-                agreed point (the global model of BMUF and DiLoCo, the last mean otherwise),
+                agreed point (the replicas' restart point: DiLoCo's global model; EASGD's mean),
                 with no communication; before every fragment has had a round, the mean.
         """
         policy = policy if policy is not None else ("round" if average_first else "mean")
@@ -432,6 +439,7 @@ class ReplicaAveraging(ReplicaState):
         if policy == "global" and agreed and self._swapped is None and not self._in_consensus:
             tensors = self._model_tensors()
             self._swapped = [(tensor, tensor.detach().clone()) for tensor in tensors]
+            self._swapped_mean = False
             self._put_agreement()
             return
         if policy == "round":

@@ -91,10 +91,11 @@ class Agreement:
     """What every rank agreed on at a fragment's last round (identical on every rank).
 
     ``anchor`` is the point the fragment's parameters restart from when the averager restarts
-    every replica from one point (periodic, BMUF, DiLoCo: the global model), else their mean
-    (EASGD): quantized rounds send the replicas' delta from it, and ``before_validation=
-    "global"`` evaluates it. ``buffers`` are the round's mean buffers (``None`` until the
-    fragment's first round: during a warm-up each replica's BatchNorm statistics are its own).
+    every replica from one point (periodic: the mean; BMUF: its restart point; DiLoCo: the
+    global model), else their mean (EASGD): quantized rounds send the replicas' delta from it,
+    and ``before_validation="global"`` evaluates it. ``buffers`` are the round's mean buffers
+    (``None`` until the fragment's first round: during a warm-up each replica's BatchNorm
+    statistics are its own).
     """
 
     anchor: list[Tensor]
@@ -153,9 +154,9 @@ def check_sync_delay(sync_delay: int | None, overlap: bool, period: int | None) 
         raise ValueError(f"sync_delay must be a non-negative integer, got {sync_delay!r}")
     if overlap and sync_delay == 0:
         raise ValueError("overlap=True delays rounds by one step; drop it or set sync_delay >= 1")
-    if period is not None and sync_delay >= period:
+    if period is not None and sync_delay > period:
         raise ValueError(
-            f"sync_delay={sync_delay} must be smaller than the period ({period}): a fragment's "
+            f"sync_delay={sync_delay} must not exceed the period ({period}): a fragment's "
             "round must land before the same fragment's next round starts"
         )
     return int(sync_delay)

@@ -171,7 +171,7 @@ class ModelAveragingStrategy(ParallelStrategyBase):
             ``"mean"``: validate the mean of the replicas and restore each replica afterwards
             (one extra full-precision model exchange per validation; training is independent
             of validation); ``"global"``: validate every fragment's last agreed point (the
-            global model for ``diloco`` and ``bmuf``), with no communication at all; fragmented,
+            restart point: DiLoCo's global model), with no communication at all; fragmented,
             those points are from different steps, and validated worse (docs: Streaming
             rounds).
         ranks_per_host: processes per host for ``reduce="tree"``; default ``LOCAL_WORLD_SIZE``,
@@ -286,6 +286,11 @@ class ModelAveragingStrategy(ParallelStrategyBase):
             _optional_float("fragment_update_alpha", fragment_update_alpha)
         )
         self.outer_dtype = check_choice("outer_dtype", outer_dtype, OUTER_DTYPES)
+        if self.outer_dtype != "fp32" and self.algorithm == "one_shot":
+            raise ValueError(
+                "one_shot averages once, at the end, in full precision: outer_dtype applies to "
+                "rounds during training; remove it or choose another algorithm"
+            )
         feedback = optional_bool("outer_error_feedback", outer_error_feedback)
         self.outer_error_feedback = bool(feedback)
         if self.outer_error_feedback and self.outer_dtype == "fp32":
@@ -491,6 +496,7 @@ class ModelAveragingStrategy(ParallelStrategyBase):
         replica = self._saved_replica(restored)
         reason = None
         fragments = restored["shared"].get("fragments", 1)
+        kept = bool(restored["shared"].get("agreements_kept", False))
         if (
             restored.get("world_size") != averaging.world_size
             or restored.get("algorithm") != algorithm
@@ -500,6 +506,14 @@ class ModelAveragingStrategy(ParallelStrategyBase):
                 f"the checkpoint's model averaging ran {restored.get('algorithm')} on "
                 f"{restored.get('world_size')} processes in {fragments} fragment(s), this run "
                 f"{algorithm} on {averaging.world_size} in {len(averaging.fragments)}"
+            )
+        elif kept != averaging.keeps_agreement:
+            reason = (
+                "the checkpoint's rounds "
+                + ("kept" if kept else "did not keep")
+                + " each fragment's agreed point and this run's "
+                + ("do" if averaging.keeps_agreement else "do not")
+                + " (outer_dtype or before_validation='global' changed)"
             )
         elif replica is None:
             reason = (

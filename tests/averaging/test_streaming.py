@@ -57,12 +57,13 @@ def _engine(
     period = int(options.pop("period", 4))  # type: ignore[call-overload]
     averager = options.pop("averager", None) or PeriodicAverager()
     dtype = options.pop("outer_dtype", None)
+    reduce = str(options.pop("reduce", "flat"))
     return ReplicaAveraging(
         model,
         [optimizer],
         averager,  # type: ignore[arg-type]
         AveragingSchedule(period, int(options.pop("warmup", 0))),  # type: ignore[call-overload]
-        build_reduction("flat"),
+        build_reduction(reduce, ranks_per_host=2),
         ledger=CommLedger(),
         quantized=None if dtype is None else QuantizedAllGather(BlockQuantizer(str(dtype))),
         **options,  # type: ignore[arg-type]
@@ -248,6 +249,28 @@ def test_streaming_rounds_equal_the_written_out_schedule(fragments: int, delay: 
     assert max(run_distributed(run, 2)) < 1e-6
 
 
+def test_streaming_rounds_through_the_tree_reduce_equal_the_flat_ones() -> None:
+    """4 ranks on 2 simulated hosts: BatchNorm statistics (full precision) take the tree, the
+    int8 parameter deltas their gather; the tree computes the same sums."""
+
+    def run(rank: int, world: int) -> Tensor:
+        finals = []
+        for reduce in ("flat", "tree"):
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Linear(6, 2))
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            engine = _engine(
+                model, optimizer, fragments=2, sync_delay=1, outer_dtype="int8", reduce=reduce
+            )
+            _train(engine, model, optimizer, rank, range(9))
+            engine.finish()
+            buffers = [b.reshape(-1) for b in model.buffers() if b.is_floating_point()]
+            finals.append(torch.cat([_flat(model), *buffers]))
+        return (finals[0] - finals[1]).abs().max()
+
+    assert max(float(d) for d in run_distributed(run, 4)) < 1e-6
+
+
 def test_quantized_rounds_stay_close_to_exact_ones_and_end_identical() -> None:
     def run(rank: int, world: int) -> dict[str, object]:
         finals = {}
@@ -327,27 +350,60 @@ def test_global_evaluation_sends_nothing_and_shows_the_agreed_point() -> None:
         _train(engine, model, optimizer, rank, range(9))
         engine.synchronize()
         replica = _flat(model)
+        agreed: list[Tensor | None] = [None] * len(list(model.parameters()))
+        for fragment, agreement in zip(engine.fragments, engine.agreements):
+            assert agreement is not None
+            for index, value in zip(fragment.parameters, agreement.anchor):
+                agreed[index] = value.reshape(-1)
         with track_collectives(CommLedger()) as ledger:
             engine.prepare_evaluation(policy="global")
             evaluated = _flat(model)
-            engine.restore_replica()
+        # a checkpoint saved meanwhile still holds the replicas' mean, not the agreed point
+        saved = engine.averaged_state_dict()
+        engine.restore_replica()
+        gathered = [torch.zeros_like(replica) for _ in range(world)]
+        dist.all_gather(gathered, replica)
+        mean = sum(gathered) / world
+        saved_flat = torch.cat([saved[name].reshape(-1) for name, _ in model.named_parameters()])
         return {
             "bytes": ledger.total_bytes(),
             "evaluated": evaluated,
+            "agreed": torch.equal(evaluated, torch.cat(agreed)),  # type: ignore[arg-type]
+            "moved": not torch.equal(evaluated, replica),
+            "saved-mean": torch.allclose(saved_flat, mean, atol=1e-6),
             "restored": torch.equal(_flat(model), replica),
         }
 
     results = run_distributed(run, 2)
     assert results[0]["bytes"] == results[1]["bytes"] == 0
     assert torch.equal(results[0]["evaluated"], results[1]["evaluated"])
-    assert all(result["restored"] for result in results)
+    assert all(r["restored"] and r["agreed"] and r["moved"] and r["saved-mean"] for r in results)
+
+
+def test_a_late_round_keeps_the_steps_taken_meanwhile_or_mixes_them() -> None:
+    from lightning_parallel.averaging.rounds import land
+
+    start, target = torch.tensor([1.0]), torch.tensor([3.0])
+    for alpha, expected in ((None, 3.0 + (5.0 - 1.0)), (0.0, 3.0), (0.5, 4.0), (1.0, 5.0)):
+        live = torch.tensor([5.0])  # moved from 1 to 5 while the round was in flight
+        land([live], [start], [target], moved=True, alpha=alpha)
+        assert live.item() == expected, alpha
+    live = torch.tensor([5.0])
+    land([live], [start], [target], moved=False, alpha=0.5)  # nothing moved: the target
+    assert live.item() == 3.0
+
+
+def test_quantizing_inf_or_nan_raises() -> None:
+    with pytest.raises(FloatingPointError, match="inf or NaN"):
+        BlockQuantizer("int8").encode(torch.tensor([1.0, float("nan")]))
 
 
 def test_bad_streaming_settings_are_refused_with_the_fix() -> None:
     from lightning_parallel.averaging.rounds import check_alpha, check_sync_delay
 
-    with pytest.raises(ValueError, match="smaller than the period"):
-        check_sync_delay(4, False, 4)
+    with pytest.raises(ValueError, match="must not exceed the period"):
+        check_sync_delay(5, False, 4)
+    assert check_sync_delay(None, True, 1) == 1  # overlap with period 1, as before
     with pytest.raises(ValueError, match="overlap=True"):
         check_sync_delay(0, True, 4)
     with pytest.raises(ValueError, match=r"\[0, 1\]"):
