@@ -23,15 +23,17 @@ from lightning_parallel.bench.peers.pipeline_peers import engine_config
 from lightning_parallel.bench.specs import build_strategy
 
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
+# a missing optional peer is a skip with its reason, never a pass
+needs_deepspeed = pytest.mark.skipif(
+    not HAS_DEEPSPEED, reason="DeepSpeed is not installed: pip install 'lightning-parallel[bench]'"
+)
 
 
-def _refused_without_deepspeed(strategy: object) -> bool:
-    """Without DeepSpeed (the bench extra) the peer says how to install it, and the test ends."""
-    if HAS_DEEPSPEED:
-        return False
+@pytest.mark.skipif(HAS_DEEPSPEED, reason="DeepSpeed is installed: the peer builds its engine")
+def test_without_deepspeed_the_peer_says_how_to_install_it() -> None:
+    strategy = build_strategy("deepspeed_pipe:stages=2,micro_batches=4,start_method=fork")
     with pytest.raises(ImportError, match=r"pip install 'lightning-parallel\[bench\]'"):
         strategy._build_engine(32)  # type: ignore[attr-defined]
-    return True
 
 
 class LargeGradientNet(Net):
@@ -64,10 +66,9 @@ def test_settings_deepspeeds_engine_cannot_follow_are_refused(
         strategy.setup(SimpleNamespace(**settings))  # type: ignore[arg-type]
 
 
+@needs_deepspeed
 def test_deepspeed_pipe_matches_single_device_with_gradients_past_norm_one() -> None:
     strategy = build_strategy("deepspeed_pipe:stages=2,micro_batches=4,start_method=fork")
-    if _refused_without_deepspeed(strategy):
-        return
     reference = LargeGradientNet()
     trainer("auto", 1).fit(reference, loader(shuffled=True), loader())
     model = LargeGradientNet()
@@ -75,10 +76,9 @@ def test_deepspeed_pipe_matches_single_device_with_gradients_past_norm_one() -> 
     assert_same_weights(reference, model)
 
 
+@needs_deepspeed
 def test_the_fork_launcher_hands_back_every_stage_without_validation() -> None:
     strategy = build_strategy("deepspeed_pipe:stages=2,micro_batches=4,start_method=fork")
-    if _refused_without_deepspeed(strategy):
-        return
     reference = Net()
     trainer("auto", 1).fit(reference, loader(shuffled=True))
     model = Net()
