@@ -9,40 +9,32 @@ from helpers.environment import user_environment
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def _example(cwd, name, *args, timeout=240):
+    """Run ``examples/<name>`` with ``args`` in ``cwd``; assert it exits 0; its stdout."""
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / name), *map(str, args)],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
 @pytest.mark.slow
 def test_train_digits_example_runs_as_its_docstring_says(tmp_path):
     # the docstring's command with a shorter run; "ddp" re-executes the script in each rank
-    result = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "examples" / "train_digits.py"),
-            "--strategy",
-            "ddp",
-            "--devices",
-            "2",
-            "--max-epochs",
-            "1",
-        ],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=240,
+    stdout = _example(
+        tmp_path, "train_digits.py", "--strategy", "ddp", "--devices", 2, "--max-epochs", 1
     )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "val_acc=" in result.stdout and "bytes/step=" in result.stdout
+    assert "val_acc=" in stdout and "bytes/step=" in stdout
 
 
 @pytest.mark.slow
 def test_pipeline_seeds_example_prints_the_accuracy(tmp_path):
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "pipeline_seeds.py"), "v2", "0", "--epochs", "1"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "v2 seed=0 val_acc=" in result.stdout
+    stdout = _example(tmp_path, "pipeline_seeds.py", "v2", 0, "--epochs", 1)
+    assert "v2 seed=0 val_acc=" in stdout
 
 
 @pytest.mark.slow
@@ -142,52 +134,28 @@ def test_seeds_table_gives_means_ranges_and_ratios(tmp_path):
         for seed in (0, 1)
     ]
     plot = tmp_path / "wire.png"
-    result = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "examples" / "seeds_table.py"),
-            *map(str, files),
-            "--baseline",
-            "base",
-            "--wire-plot",
-            str(plot),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert (
-        "| `base` | 2 | 4.00 (4.00–4.00) | 4.00 (4.00–4.00) | 40.00 (40.00–40.00) |"
-        in result.stdout
-    )
-    assert "50.5 (50.0–51.0) (2/2 reached)" in result.stdout
-    assert "20.0 (1/2 reached)" in result.stdout  # the seed that never reached it is counted
-    assert "wire MB/step 0.25x" in result.stdout and "largest round MB 0.20x" in result.stdout
-    assert "val acc +2.0 points" in result.stdout
+    stdout = _example(tmp_path, "seeds_table.py", *files, "--baseline", "base", "--wire-plot", plot)
+    assert "| `base` | 2 | 4.00 (4.00–4.00) | 4.00 (4.00–4.00) | 40.00 (40.00–40.00) |" in stdout
+    assert "50.5 (50.0–51.0) (2/2 reached)" in stdout
+    assert "20.0 (1/2 reached)" in stdout  # the seed that never reached it is counted
+    assert "wire MB/step 0.25x" in stdout and "largest round MB 0.20x" in stdout
+    assert "val acc +2.0 points" in stdout
     assert plot.stat().st_size > 0
 
 
 @pytest.mark.slow
 def test_averaging_seeds_example_prints_the_accuracy(tmp_path):
-    result = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "examples" / "averaging_seeds.py"),
-            "--model",
-            "convnet",
-            "--epochs",
-            "1",
-            "algorithm=diloco",
-            "period=4",
-            "fragments=2",
-            "sync_delay=1",
-            "outer_dtype=int8",
-        ],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=240,
+    stdout = _example(
+        tmp_path,
+        "averaging_seeds.py",
+        "--model",
+        "convnet",
+        "--epochs",
+        1,
+        "algorithm=diloco",
+        "period=4",
+        "fragments=2",
+        "sync_delay=1",
+        "outer_dtype=int8",
     )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "seed=0 val_acc=" in result.stdout
+    assert "seed=0 val_acc=" in stdout

@@ -53,17 +53,12 @@ Example::
 
 from __future__ import annotations
 
-import functools
-import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Literal
 
 import pytorch_lightning as pl
-import torch
-import torch.distributed as dist
 from pytorch_lightning.trainer.states import TrainerFn
-from pytorch_lightning.utilities.rank_zero import rank_zero_warn
 from torch.distributed.constants import default_pg_timeout as DEFAULT_TIMEOUT
 from torch.nn import Module
 from torch.optim import Optimizer
@@ -72,14 +67,8 @@ from typing_extensions import override
 from lightning_parallel.averaging import (
     Averager,
     AveragingSchedule,
-    BlockMomentumAverager,
-    ElasticAverager,
-    OneShotAverager,
-    OuterOptimizerAverager,
-    PeriodicAverager,
     ReplicaAveraging,
     build_reduction,
-    replica_files,
 )
 from lightning_parallel.averaging.outer_optimizer import (
     DILOCO_OUTER_LR,
@@ -91,34 +80,31 @@ from lightning_parallel.averaging.policies import (
     OPTIMIZER_STATE_POLICIES,
     check_choice,
 )
-from lightning_parallel.averaging.quantize import OUTER_DTYPES, BlockQuantizer
+from lightning_parallel.averaging.quantize import BlockQuantizer
 from lightning_parallel.averaging.quantized_gather import QuantizedAllGather
 from lightning_parallel.averaging.reduction import REDUCE_KINDS
-from lightning_parallel.averaging.rounds import check_alpha, check_sync_delay
 from lightning_parallel.comm.modules import broadcast_module_states, optimizers_to_device
 from lightning_parallel.comm.tree import ranks_per_host_from_environment
 from lightning_parallel.compat import register_strategy
 from lightning_parallel.compat.private import layer_sync
 from lightning_parallel.compat.types import StrPath
 from lightning_parallel.strategies.arguments import optional_bool
-from lightning_parallel.strategies.base import ParallelStrategyBase
+from lightning_parallel.strategies.averaging_checkpoints import (
+    CHECKPOINT_KEY as CHECKPOINT_KEY,  # the key's home for users of this module
+)
+from lightning_parallel.strategies.averaging_checkpoints import AveragingCheckpoints
+from lightning_parallel.strategies.averaging_options import (
+    VALIDATION_POLICIES,
+    averager_factory,
+    optional_float,
+    optional_int,
+    streaming_options,
+)
 
 __all__ = ["ModelAveragingStrategy"]
 
-#: Key of the averaging state in a Lightning checkpoint.
-CHECKPOINT_KEY = "model_averaging"
 
-VALIDATION_POLICIES: tuple[str, ...] = ("round", "mean", "global")
-ALGORITHMS: tuple[str, ...] = ("periodic", "one_shot", "bmuf", "easgd", "outer_optimizer")
-_ALIASES = {"local_sgd": "periodic", "model_averaging": "periodic", "diloco": "outer_optimizer"}
-_HYPERPARAMETERS = {
-    "bmuf": ("block_momentum", "block_learning_rate", "nesterov"),
-    "easgd": ("alpha", "beta", "center_first"),
-    "outer_optimizer": ("outer_optimizer", "outer_lr", "outer_momentum", "outer_nesterov"),
-}
-
-
-class ModelAveragingStrategy(ParallelStrategyBase):
+class ModelAveragingStrategy(AveragingCheckpoints):
     """Average models, not gradients: local SGD, one-shot, BMUF, EASGD and outer optimizers.
 
     Algorithm (``M`` processes, period ``H``, warm-up ``W``):
@@ -244,26 +230,26 @@ class ModelAveragingStrategy(ParallelStrategyBase):
             start_method=start_method,
         )
         hyperparameters = {
-            "block_momentum": _optional_float("block_momentum", block_momentum),
-            "block_learning_rate": _optional_float("block_learning_rate", block_learning_rate),
+            "block_momentum": optional_float("block_momentum", block_momentum),
+            "block_learning_rate": optional_float("block_learning_rate", block_learning_rate),
             "nesterov": optional_bool("nesterov", nesterov),
-            "alpha": _optional_float("alpha", alpha),
-            "beta": _optional_float("beta", beta),
+            "alpha": optional_float("alpha", alpha),
+            "beta": optional_float("beta", beta),
             "center_first": optional_bool("center_first", center_first),
             "outer_optimizer": outer_optimizer,
-            "outer_lr": _optional_float("outer_lr", outer_lr),
-            "outer_momentum": _optional_float("outer_momentum", outer_momentum),
+            "outer_lr": optional_float("outer_lr", outer_lr),
+            "outer_momentum": optional_float("outer_momentum", outer_momentum),
             "outer_nesterov": optional_bool("outer_nesterov", outer_nesterov),
         }
-        self.algorithm, self._make_averager = _averager_factory(algorithm, hyperparameters)
+        self.algorithm, self._make_averager = averager_factory(algorithm, hyperparameters)
         self._make_averager()  # bad hyperparameters fail here, not in the worker processes
-        self.period = None if self.algorithm == "one_shot" else _optional_int("period", period)
+        self.period = None if self.algorithm == "one_shot" else optional_int("period", period)
         if self.period is None and self.algorithm != "one_shot":
             raise ValueError(
                 "period must be a positive integer; use algorithm='one_shot' to average only "
                 "at the end of training"
             )
-        self.warmup_steps = _optional_int("warmup_steps", warmup_steps) or 0
+        self.warmup_steps = optional_int("warmup_steps", warmup_steps) or 0
         AveragingSchedule(self.period, self.warmup_steps)  # validates both
         # Not ``self.reduce`` / ``self.optimizer_state``: those are Strategy methods.
         self.buffer_policy = check_choice("buffers", buffers, BUFFER_POLICIES)
@@ -272,36 +258,25 @@ class ModelAveragingStrategy(ParallelStrategyBase):
         )
         self.reduce_kind = check_choice("reduce", reduce, REDUCE_KINDS)
         self.overlap = bool(optional_bool("overlap", overlap))
-        self.fragments = _optional_int("fragments", fragments) or 1
-        if self.fragments < 1 or (self.period is not None and self.fragments > self.period):
-            raise ValueError(
-                f"fragments must be between 1 and period ({self.period}), got {self.fragments}"
-            )
-        if self.fragments > 1 and self.period is None:
-            raise ValueError("fragments > 1 needs rounds during training; one_shot has none")
-        self.sync_delay = check_sync_delay(
-            _optional_int("sync_delay", sync_delay), self.overlap, self.period
+        streaming = streaming_options(
+            self.algorithm,
+            self.period,
+            self.overlap,
+            fragments,
+            sync_delay,
+            fragment_update_alpha,
+            outer_dtype,
+            outer_error_feedback,
         )
-        self.fragment_update_alpha = check_alpha(
-            _optional_float("fragment_update_alpha", fragment_update_alpha)
-        )
-        self.outer_dtype = check_choice("outer_dtype", outer_dtype, OUTER_DTYPES)
-        if self.outer_dtype != "fp32" and self.algorithm == "one_shot":
-            raise ValueError(
-                "one_shot averages once, at the end, in full precision: outer_dtype applies to "
-                "rounds during training; remove it or choose another algorithm"
-            )
-        feedback = optional_bool("outer_error_feedback", outer_error_feedback)
-        self.outer_error_feedback = bool(feedback)
-        if self.outer_error_feedback and self.outer_dtype == "fp32":
-            raise ValueError(
-                "outer_error_feedback keeps what a low-precision outer_dtype drops; with "
-                "outer_dtype='fp32' nothing is dropped: set outer_dtype or remove it"
-            )
+        self.fragments = streaming.fragments
+        self.sync_delay = streaming.sync_delay
+        self.fragment_update_alpha = streaming.fragment_update_alpha
+        self.outer_dtype = streaming.outer_dtype
+        self.outer_error_feedback = streaming.outer_error_feedback
         self.before_validation = check_choice(
             "before_validation", before_validation, VALIDATION_POLICIES
         )
-        self.ranks_per_host = _optional_int("ranks_per_host", ranks_per_host)
+        self.ranks_per_host = optional_int("ranks_per_host", ranks_per_host)
         if self.ranks_per_host is not None and self.ranks_per_host < 1:
             raise ValueError(f"ranks_per_host must be positive, got {self.ranks_per_host}")
         self.averaging: ReplicaAveraging | None = None
@@ -414,134 +389,6 @@ class ModelAveragingStrategy(ParallelStrategyBase):
         if self.averaging is not None:
             self.averaging.finish()
 
-    # ------------------------------------------------------------------ checkpoints
-
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        if self.averaging is None:
-            return super().lightning_module_state_dict()
-        self.averaging.synchronize()
-        return self.averaging.averaged_state_dict()
-
-    @override
-    def save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: StrPath, storage_options: Any | None = None
-    ) -> None:
-        """Save the averaged model; each rank's replica goes to a file of its own first.
-
-        See :mod:`lightning_parallel.averaging.replica_files`: the checkpoint's size does not
-        grow with the world size, and a crash during a save leaves the previous one intact.
-        """
-        averaging = self.averaging
-        if averaging is None or "optimizer_states" not in checkpoint:
-            super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-            return
-        averaging.synchronize()
-        local = averaging.local_state_dict()
-        state: dict[str, Any] = {
-            "algorithm": type(averaging.averager).__name__,
-            "world_size": averaging.world_size,
-            "shared": averaging.state_dict(),
-        }
-        if not replica_files.supports(filepath):
-            # a URL (s3://...): the replicas travel in the checkpoint, gathered on rank 0
-            gathered: list[Any] | None = [local]
-            if averaging.world_size > 1:
-                gathered = [None] * averaging.world_size if self.is_global_zero else None
-                dist.gather_object(local, gathered, dst=0)
-            checkpoint[CHECKPOINT_KEY] = {"format": 1, **state, "replicas": gathered}
-            super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-            return
-        save_id = f"step{averaging.schedule.optimizer_steps}"
-        replica_files.save_replica(
-            local, replica_files.replica_path(filepath, save_id, self.global_rank)
-        )
-        self.barrier(
-            "model_averaging.save_replicas"
-        )  # every replica is on disk before the checkpoint
-        checkpoint[CHECKPOINT_KEY] = {"format": 2, **state, "replica_files": save_id}
-        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-        if self.is_global_zero:
-            replica_files.remove_other_saves(filepath, keep=save_id)
-
-    @override
-    def remove_checkpoint(self, filepath: StrPath) -> None:
-        super().remove_checkpoint(filepath)
-        if self.is_global_zero and replica_files.supports(filepath):
-            replica_files.remove_other_saves(filepath, keep=None)
-
-    @override
-    def load_checkpoint(
-        self, checkpoint_path: StrPath, *args: Any, **kwargs: Any
-    ) -> dict[str, Any]:
-        self._checkpoint_path = checkpoint_path
-        return super().load_checkpoint(checkpoint_path, *args, **kwargs)
-
-    @override
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        super().load_model_state_dict(checkpoint, strict=strict)
-        self._restored = checkpoint.get(CHECKPOINT_KEY)
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        super().load_optimizer_state_dict(checkpoint)
-        if self._restored is None and CHECKPOINT_KEY in checkpoint:
-            self._restored = checkpoint[CHECKPOINT_KEY]
-        restored, self._restored = self._restored, None
-        if restored is not None and self.averaging is not None:
-            self._restore_averaging(self.averaging, restored)
-
-    def _restore_averaging(self, averaging: ReplicaAveraging, restored: dict[str, Any]) -> None:
-        algorithm = type(averaging.averager).__name__
-        replica = self._saved_replica(restored)
-        reason = None
-        fragments = restored["shared"].get("fragments", 1)
-        kept = bool(restored["shared"].get("agreements_kept", False))
-        if (
-            restored.get("world_size") != averaging.world_size
-            or restored.get("algorithm") != algorithm
-            or fragments != len(averaging.fragments)
-        ):
-            reason = (
-                f"the checkpoint's model averaging ran {restored.get('algorithm')} on "
-                f"{restored.get('world_size')} processes in {fragments} fragment(s), this run "
-                f"{algorithm} on {averaging.world_size} in {len(averaging.fragments)}"
-            )
-        elif kept != averaging.keeps_agreement:
-            reason = (
-                "the checkpoint's rounds "
-                + ("kept" if kept else "did not keep")
-                + " each fragment's agreed point and this run's "
-                + ("do" if averaging.keeps_agreement else "do not")
-                + " (outer_dtype or before_validation='global' changed)"
-            )
-        elif replica is None:
-            reason = (
-                f"rank {self.global_rank}'s replica file of the checkpoint is missing (copy the "
-                f"{replica_files.SUFFIX} folder beside the checkpoint along with it)"
-            )
-        if reason is not None or replica is None:
-            rank_zero_warn(
-                f"{reason}: every replica restarts from the checkpoint's averaged model and the "
-                "averager starts afresh (only the step counter is kept)"
-            )
-            averaging.schedule.load_state_dict(restored["shared"]["schedule"])
-            return
-        averaging.load_state_dict(restored["shared"])
-        averaging.load_local_state_dict(replica)
-
-    def _saved_replica(self, restored: dict[str, Any]) -> dict[str, Any] | None:
-        """This rank's saved replica state, or ``None`` where it cannot be found."""
-        if restored.get("format", 1) == 1:
-            replicas = restored.get("replicas") or []
-            return replicas[self.global_rank] if self.global_rank < len(replicas) else None
-        if self._checkpoint_path is None:
-            return None
-        path = replica_files.replica_path(
-            self._checkpoint_path, restored["replica_files"], self.global_rank
-        )
-        return replica_files.load_replica(path) if path.is_file() else None
-
 
 def _closure_averaging_gradients(
     averaging: ReplicaAveraging, optimizer: Optimizer, closure: Callable[[], Any]
@@ -558,129 +405,6 @@ def _closure_averaging_gradients(
 
 
 # ---------------------------------------------------------------------- arguments
-
-
-def _averager_factory(
-    algorithm: str | Averager, hyperparameters: dict[str, Any]
-) -> tuple[str, Callable[[], Averager]]:
-    """The canonical algorithm name and a function building a fresh averager for it (picklable,
-    as the ``spawn`` launcher pickles the strategy, when the algorithm's arguments are)."""
-    given = {name: value for name, value in hyperparameters.items() if value is not None}
-    if isinstance(algorithm, Averager):
-        if given:
-            raise ValueError(
-                f"{', '.join(sorted(given))} configure a named algorithm; set them on the "
-                f"{type(algorithm).__name__} you pass instead"
-            )
-        return type(algorithm).__name__, functools.partial(_given, algorithm)
-    if not isinstance(algorithm, str):
-        raise TypeError(f"algorithm must be a name or an Averager, got {type(algorithm).__name__}")
-    name = _ALIASES.get(algorithm.lower(), algorithm.lower())
-    if name not in ALGORITHMS:
-        choices = ", ".join(repr(choice) for choice in (*ALGORITHMS, *_ALIASES))
-        raise ValueError(f"algorithm must be one of {choices}; got {algorithm!r}")
-    allowed = _HYPERPARAMETERS.get(name, ())
-    stray = sorted(set(given) - set(allowed))
-    if stray:
-        owners = {key: owner for owner, keys in _HYPERPARAMETERS.items() for key in keys}
-        detail = ", ".join(f"{key} (for {owners[key]})" for key in stray)
-        raise ValueError(f"algorithm={name!r} does not use {detail}; remove them")
-    if name == "periodic":
-        return name, PeriodicAverager
-    if name == "one_shot":
-        return name, OneShotAverager
-    options = {key: given[key] for key in allowed if key in given}  # unset: the class's default
-    if name == "bmuf":
-        return name, functools.partial(BlockMomentumAverager, **options)
-    if name == "easgd":
-        return name, functools.partial(ElasticAverager, **options)
-    factory = _outer_optimizer_factory(
-        given.get("outer_optimizer", "sgd"),
-        given.get("outer_lr"),
-        given.get("outer_momentum"),
-        given.get("outer_nesterov"),
-    )
-    return name, functools.partial(OuterOptimizerAverager, factory)
-
-
-def _given(averager: Averager) -> Averager:
-    return averager
-
-
-def _outer_optimizer_factory(
-    optimizer: str | OuterOptimizerFactory,
-    lr: float | None,
-    momentum: float | None,
-    nesterov: bool | None,
-) -> OuterOptimizerFactory:
-    """Build the outer optimizer from a ``torch.optim`` class name and hyperparameters."""
-    if callable(optimizer) and not isinstance(optimizer, str):
-        if lr is not None or momentum is not None or nesterov is not None:
-            raise ValueError(
-                "outer_lr, outer_momentum and outer_nesterov apply to a named outer_optimizer; "
-                "set them inside the function you pass"
-            )
-        return optimizer
-    if not isinstance(optimizer, str):
-        raise TypeError(
-            f"outer_optimizer must name a torch.optim class or be a function, got {optimizer!r}"
-        )
-    classes = {
-        name.lower(): value
-        for name, value in vars(torch.optim).items()
-        if isinstance(value, type) and issubclass(value, Optimizer) and value is not Optimizer
-    }
-    optimizer_class = classes.get(optimizer.lower())
-    if optimizer_class is None:
-        raise ValueError(
-            f"outer_optimizer {optimizer!r} is not a torch.optim class; use one of "
-            f"{', '.join(sorted(classes))}"
-        )
-    accepted = inspect.signature(optimizer_class).parameters
-    options: dict[str, Any] = {"lr": DILOCO_OUTER_LR if lr is None else lr}
-    if optimizer_class is torch.optim.SGD:
-        options["momentum"] = DILOCO_OUTER_MOMENTUM if momentum is None else momentum
-        options["nesterov"] = True if nesterov is None else nesterov
-        if options["nesterov"] and options["momentum"] == 0:
-            options["nesterov"] = False  # torch rejects Nesterov without momentum
-    else:
-        for key, value in (("momentum", momentum), ("nesterov", nesterov)):
-            if value is None:
-                continue
-            if key not in accepted:
-                raise ValueError(
-                    f"torch.optim.{optimizer_class.__name__} takes no {key}; remove outer_{key}"
-                )
-            options[key] = value
-    optimizer_class(  # bad values (negative lr, ...) fail at construction
-        [torch.zeros(1)], **options
-    )
-    return functools.partial(optimizer_class, **options)
-
-
-def _optional_int(name: str, value: object) -> int | None:
-    if value is None or (isinstance(value, str) and value.lower() in ("none", "")):
-        return None
-    if isinstance(value, bool):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
-    try:
-        number = float(value) if isinstance(value, str) else value
-    except ValueError as error:
-        raise ValueError(f"{name} must be an integer, got {value!r}") from error
-    if not isinstance(number, (int, float)) or int(number) != number:
-        raise ValueError(f"{name} must be an integer, got {value!r}")
-    return int(number)
-
-
-def _optional_float(name: str, value: object) -> float | None:
-    if value is None or (isinstance(value, str) and value.lower() in ("none", "")):
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        raise ValueError(f"{name} must be a number, got {value!r}")
-    try:
-        return float(value)
-    except ValueError as error:
-        raise ValueError(f"{name} must be a number, got {value!r}") from error
 
 
 register_strategy(
