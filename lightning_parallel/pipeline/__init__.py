@@ -6,7 +6,8 @@ Lightning's training loop. Two techniques share the room:
 
 - ``pipeline/``: the pieces both share (stages, partitioning and profiling, micro-batches,
   schedule tables, transport between stages, topology, gradient sync across groups, the
-  end-of-step summary, timeline, stage ownership, checkpoint layout and consolidation) and the
+  end-of-step summary, timeline, stage ownership, a rank's assembly, the user's step patched,
+  device moves of a model partly on ``meta``, checkpoint layout and consolidation) and the
   flush pipeline, GroPipe: its stage runtime (``runtime``), recomputation, deferred weight
   gradients and batch norm, the hybrid learning-rate decay.
 - ``pipeline/noflush/``: the pipeline that never flushes (SpecTrain, PipeDream), its runtime and

@@ -11,6 +11,12 @@ are matched by their name in the model, the same on every rank:
 2. :func:`load_whole_model_layout` does the reverse on resume: it picks, from a whole-model
    state (written by this strategy, ``ddp`` or one device), the entries of the stage's own
    parameters, and the groups' hyperparameters.
+
+The other stages' pieces reach the root one at a time
+(:func:`~lightning_parallel.pipeline.consolidate.gather_to_root`): :func:`stage_pieces` is
+what a stage sends, :func:`merge_stages` puts every stage's weights and optimizer state in the
+root's checkpoint and :func:`merge_pipeline_checkpoint` adds the split under ``"pipeline"``
+(the boundaries, each stage's engine state), so that a resumed run keeps the same stages.
 """
 
 from __future__ import annotations
@@ -107,4 +113,30 @@ def merge_stages(
         }
         for n, saved in enumerate(checkpoint.get("optimizer_states", []))
     ]
+    return merged
+
+
+def stage_pieces(checkpoint: Mapping[str, Any], stage_state: Any) -> dict[str, Any]:
+    """What a stage contributes to the whole checkpoint: its weights, the ``state`` part of
+    each optimizer's state (whole-model layout) and its engine's ``stage_state``."""
+    return {
+        "state_dict": checkpoint.get("state_dict", {}),
+        "optimizer_states": [s.get("state", {}) for s in checkpoint.get("optimizer_states", [])],
+        "stage": stage_state,
+    }
+
+
+def merge_pipeline_checkpoint(
+    checkpoint: dict[str, Any],
+    stages: Sequence[Mapping[str, Any]],
+    order: Sequence[str],
+    boundaries: Sequence[int],
+) -> dict[str, Any]:
+    """:func:`merge_stages`, with the split and every stage's engine state under
+    ``"pipeline"``: ``{"boundaries": [...], "stages": [stage_state, ...]}``."""
+    merged = merge_stages(checkpoint, stages, order)
+    merged["pipeline"] = {
+        "boundaries": list(boundaries),
+        "stages": [part["stage"] for part in stages],
+    }
     return merged

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_parallel.comm.devices import broadcast_, empty_for, to_group
+from lightning_parallel.compat.types import StrPath
 
 __all__: list[str] = []
 
@@ -98,6 +99,16 @@ def gather_to_root(
             stage_spill.mkdir(exist_ok=True)
             result.append(_receive_pieces(owner, stage_spill, group))
     return result if rank == root else None
+
+
+def local_folder(filepath: StrPath) -> str | None:
+    """The folder of a local checkpoint path, created if missing, for the spill folder (beside
+    the checkpoint: the same file system); ``None`` for a URL (the system's temporary folder)."""
+    if "://" in str(filepath):
+        return None
+    folder = Path(filepath).parent
+    folder.mkdir(parents=True, exist_ok=True)
+    return str(folder)
 
 
 def remove_spill(spill: Path | None) -> None:

@@ -11,7 +11,8 @@ optimizer state, and nothing else of the model. Once the split is known:
    device and initializes them with each module's own ``reset_parameters()``;
 3. :func:`restrict_optimizer` rebuilds the user's optimizer (its class, defaults and every
    parameter group's hyperparameters, group by group, so that learning-rate schedulers keep
-   their group indices) over the owned parameters only, carrying their state over.
+   their group indices) over the owned parameters only, carrying their state over
+   (:func:`restrict_optimizers`: every optimizer, over the tensors that replaced them).
 
 Each owned tensor is known by its name in the model (``model.named_parameters()``), which stays
 the same on every rank and in checkpoints; :class:`TensorNames` keeps the map.
@@ -179,6 +180,53 @@ def restrict_optimizer(
             if id(parameter) in keep and state:
                 restricted.state[keep[id(parameter)]] = state
     return restricted
+
+
+def restrict_optimizers(
+    optimizers: Iterable[Any],
+    owned: Iterable[Tensor],
+    replaced: Mapping[int, Tensor],
+    names: Mapping[int, str],
+    schedulers: Sequence[Any] = (),
+) -> list[torch.optim.Optimizer]:
+    """Every optimizer rebuilt by :func:`restrict_optimizer` over its ``owned`` parameters,
+    each the tensor that replaced it (``replaced``: ``id(before) -> now``) if materializing
+    did; the ``schedulers`` of an optimizer are pointed at its replacement.
+
+    Args:
+        optimizers: the user's optimizers (or wrappers with the optimizer in ``_optimizer``).
+        owned: this rank's tensors.
+        replaced: ``id(tensor before) -> tensor now`` (:attr:`Ownership.replaced`).
+        names: ``id(tensor) -> name`` for every tensor of the model, taken before any was
+            replaced: each result's ``_lp_parameter_names`` lists its optimizer's parameters by
+            name, group by group (the layout of its state in checkpoints:
+            :mod:`~lightning_parallel.pipeline.checkpoint_layout`).
+        schedulers: learning-rate schedulers (anything with an ``optimizer`` attribute).
+
+    Each user's optimizer lets go of every tensor (its groups and state are cleared): whoever
+    still holds it must not keep the released stages alive.
+    """
+    owned_ids = {id(t) for t in owned}
+    rebuilt = []
+    for optimizer in optimizers:
+        inner = getattr(optimizer, "_optimizer", optimizer)
+        keep: dict[int, nn.Parameter] = {}
+        for group in inner.param_groups:
+            for parameter in group["params"]:
+                current = replaced.get(id(parameter), parameter)
+                if id(current) in owned_ids:
+                    keep[id(parameter)] = current  # type: ignore[assignment]
+        restricted = restrict_optimizer(inner, keep)
+        restricted._lp_parameter_names = [  # type: ignore[attr-defined]
+            [names[id(p)] for p in group["params"]] for group in inner.param_groups
+        ]
+        for scheduler in schedulers:
+            if scheduler.optimizer is inner:
+                scheduler.optimizer = restricted
+        inner.param_groups.clear()
+        inner.state.clear()
+        rebuilt.append(restricted)
+    return rebuilt
 
 
 def adopt_tensors(original: nn.Module, current: nn.Module) -> None:

@@ -21,7 +21,7 @@ stage trains the model.
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -110,6 +110,20 @@ def split_stages(layers: Sequence[nn.Module], boundaries: Sequence[int]) -> list
     return [
         StageModule(layers[edges[k] : edges[k + 1]], k, edges[k]) for k in range(len(edges) - 1)
     ]
+
+
+def put_back(
+    layers: Sequence[nn.Module], originals: Mapping[nn.Module, nn.Module]
+) -> list[nn.Module]:
+    """``layers`` with ``originals[m]`` wherever they are, or hold as a submodule, a replacement
+    ``m`` (one walk over them; submodules are put back in place)."""
+    restored = [originals.get(layer, layer) for layer in layers]
+    for layer in restored:
+        for parent in layer.modules():
+            for name, child in parent._modules.items():
+                if child is not None and child in originals:
+                    parent._modules[name] = originals[child]
+    return restored
 
 
 def check_boundaries(boundaries: Sequence[int], layer_count: int) -> None:

@@ -21,7 +21,8 @@ was hidden behind backward work.
 
 :class:`LogRecorder` collects the values a loss function logs per micro-batch and combines them
 into one value per name: a weighted mean (weights ``n_j/N``, or the ``batch_size`` given) for
-``reduce_fx="mean"``, else the sum, max or min.
+``reduce_fx="mean"``, else the sum, max or min. Metric objects stay on the last stage;
+:func:`point_metrics_at` makes them sync over the stage's data-parallel replicas.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from lightning_parallel.comm.devices import to_group
 
@@ -64,6 +66,19 @@ def metric_step_value(metric: Any) -> float:
     if isinstance(cache, torch.Tensor) and cache.numel() == 1:
         return float(cache)
     return 0.0
+
+
+def point_metrics_at(module: nn.Module, group: dist.ProcessGroup | None) -> None:
+    """Make every torchmetrics-like metric of ``module`` without a process group sync over
+    ``group``: a stage's data-parallel replicas, not the world (only the last stages update
+    them: a world-wide sync would wait for the others forever)."""
+    for child in module.modules():
+        if (
+            hasattr(child, "process_group")
+            and hasattr(child, "compute")
+            and child.process_group is None
+        ):
+            child.process_group = group
 
 
 @dataclass

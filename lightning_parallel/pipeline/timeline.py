@@ -6,16 +6,21 @@ hosts as far as their clocks agree). Kinds: ``"F"``, ``"B"`` (compute), ``"R"`` 
 forward), ``"W"`` (deferred weight gradients), ``"wait"`` (blocked receiving from a neighbour),
 ``"allreduce"`` (a stage's gradient bucket in flight, from launch to completion).
 :func:`plot_timeline` draws one row per rank: the drawing of
-:mod:`~lightning_parallel.pipeline.schedule`, made from measured times.
+:mod:`~lightning_parallel.pipeline.schedule`, made from measured times. :func:`gather_timeline`
+gathers every rank's events on rank 0, and :func:`save_timeline` writes the plot or the events
+as JSON.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import torch.distributed as dist
 
 __all__: list[str] = []
 
@@ -118,3 +123,26 @@ def plot_timeline(
 def events_to_dicts(events: Sequence[TimelineEvent]) -> list[dict[str, Any]]:
     """Events as plain dicts (for JSON)."""
     return [event.__dict__.copy() for event in events]
+
+
+def gather_timeline(
+    events: list[TimelineEvent], rank: int, world_size: int
+) -> list[TimelineEvent] | None:
+    """Every rank's ``events`` on rank 0 (collective over the world); ``None`` elsewhere."""
+    gathered: list[Any] = [events]
+    if world_size > 1:
+        gathered = [None] * world_size
+        dist.all_gather_object(gathered, events)
+    if rank != 0:
+        return None
+    return [event for rank_events in gathered for event in rank_events]
+
+
+def save_timeline(events: Sequence[TimelineEvent], path: Path, title: str) -> None:
+    """Write ``events`` to ``path``: a plot titled ``title`` for ``.png``, else JSON
+    (:func:`events_to_dicts`)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.suffix == ".png":
+        plot_timeline(events, path, title=title)
+    else:
+        path.write_text(json.dumps(events_to_dicts(events)))

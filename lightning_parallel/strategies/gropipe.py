@@ -49,20 +49,21 @@ from lightning_parallel.comm.devices import to_group
 from lightning_parallel.comm.ledger import process_ledger
 from lightning_parallel.comm.modules import optimizers_to_device
 from lightning_parallel.compat import register_strategy
+from lightning_parallel.pipeline.assembly import Pipeline
 from lightning_parallel.pipeline.batchnorm import convert_deferred_batch_norm, restore_batch_norm
 from lightning_parallel.pipeline.grad_sync import SyncTiming
 from lightning_parallel.pipeline.microbatch import batch_size, split_microbatches
 from lightning_parallel.pipeline.partition import projected_step
 from lightning_parallel.pipeline.recompute import check_recompute_mode, is_recomputing
 from lightning_parallel.pipeline.runtime import StepStatistics
-from lightning_parallel.pipeline.schedule import SCHEDULES, get_schedule
+from lightning_parallel.pipeline.schedule import SCHEDULES, Schedule, get_schedule
 from lightning_parallel.pipeline.stages import pipeline_body
 from lightning_parallel.pipeline.summary import LogRecorder, SummaryResult
 from lightning_parallel.pipeline.weight_grad import (
     convert_deferred_weight_gradients,
     restore_linear,
 )
-from lightning_parallel.strategies.pipeline_base import Pipeline, PipelineStrategyBase
+from lightning_parallel.strategies.pipeline_base import PipelineStrategyBase
 
 __all__: list[str] = []
 
@@ -108,6 +109,7 @@ class GroPipeStrategy(PipelineStrategyBase):
     """
 
     strategy_name = "gropipe"
+    schedule: Schedule  # always one (the base's may be None: a pipeline without a schedule)
 
     def __init__(
         self,

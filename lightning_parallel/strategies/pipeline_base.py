@@ -9,42 +9,34 @@ data-parallel groups of ``stages`` pipeline stages. It owns what does not depend
    device rule of :mod:`lightning_parallel.comm.devices`), and per-group samplers;
 2. **assembly**, before the first training batch (:meth:`on_train_batch_start`, so that the
    optimizer Lightning steps is already the rebuilt one) or at the first evaluation batch: the
-   stage-0 model input is captured by calling the user's step with ``forward`` patched, the
-   model becomes a layer chain (:mod:`~lightning_parallel.pipeline.stages`), the boundaries are
-   chosen (profiled, or estimated from shapes for a model built on ``meta``), and the rank
-   *takes ownership* of its stage (:mod:`~lightning_parallel.pipeline.ownership`): the other
-   stages' tensors go to ``meta``, a deferred (meta) stage is materialized, and the optimizer
-   is rebuilt over the owned parameters with its hyperparameters and schedulers kept;
+   stage-0 model input is captured by calling the user's step with ``forward`` patched
+   (:mod:`~lightning_parallel.pipeline.patching`), the model becomes a layer chain
+   (:mod:`~lightning_parallel.pipeline.stages`), the boundaries are chosen and the rank *takes
+   ownership* of its stage (:mod:`~lightning_parallel.pipeline.assembly`): the other stages'
+   tensors go to ``meta``, a deferred (meta) stage is materialized, and the optimizer is
+   rebuilt over the owned parameters with its hyperparameters and schedulers kept;
 3. **the user's code**: ``training_step``/``validation_step`` called with ``forward`` patched to
    return the pipeline's output on the last stage, logged values mirrored to every rank,
    ``reduce`` over a stage's data-parallel replicas, evaluation as pipelined forwards;
-4. **checkpoints**: every rank contributes its own stage; the root receives the stages one at a
-   time, memory-mapped from a spill folder, and writes one consolidated file that loads under
-   any strategy (:mod:`~lightning_parallel.pipeline.consolidate`). Resuming loads the file
-   memory-mapped and each rank copies its own stage's weights and optimizer state.
+4. **checkpoints** (always whole) and the whole model on rank 0 after a ``spawn``/``fork``
+   ``fit``: the inherited :class:`~.pipeline_checkpoints.PipelineCheckpoints`. Otherwise after
+   ``fit`` a rank holds its own stage only; the other stages' parameters are on ``meta``.
 
 Extension points for a subclass (an engine): :meth:`prepare_module` (convert layers before the
 optimizers exist), :meth:`gradient_sync` (the stage's cross-group gradient averaging, or
 ``None``), :meth:`stage_state` / :meth:`load_stage_state` (per-stage state to checkpoint, e.g.
 a weight predictor), and Lightning's own ``training_step``/``backward``/``optimizer_step``.
-
-After ``fit``, a rank holds its own stage only; the other stages' parameters are on ``meta``.
-With the ``spawn``/``fork`` launchers rank 0 first gathers every stage (stage by stage), so that
-the model handed back to the parent process is whole. Checkpoints are always whole.
 """
 
 from __future__ import annotations
 
 import collections
 import inspect
-import json
-import tempfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import pytorch_lightning as pl
 import torch
@@ -53,133 +45,45 @@ from pytorch_lightning.plugins.precision import MixedPrecision
 from pytorch_lightning.trainer.states import TrainerFn
 from torch import Tensor, nn
 from torch.distributed.constants import default_pg_timeout as DEFAULT_TIMEOUT
-from torchmetrics import Metric
 from typing_extensions import override
 
-from lightning_parallel.comm.devices import broadcast_, side_group, to_group
-from lightning_parallel.comm.ledger import process_ledger
+from lightning_parallel.comm.devices import side_group, to_group
 from lightning_parallel.comm.modules import broadcast_module_states, reduce_tensor
-from lightning_parallel.compat.types import StrPath
-from lightning_parallel.files import save_atomically
-from lightning_parallel.pipeline.checkpoint_layout import (
-    load_whole_model_layout,
-    merge_stages,
-    whole_model_layout,
+from lightning_parallel.pipeline.assembly import (
+    Pipeline,
+    assemble,
+    check_arguments,
+    check_forward_is_layers,
+    choose_boundaries,
+    normal_tensors,
 )
-from lightning_parallel.pipeline.consolidate import gather_to_root, remove_spill
+from lightning_parallel.pipeline.device_moves import move_real
 from lightning_parallel.pipeline.grad_sync import PartitionGradientSync
-from lightning_parallel.pipeline.link import measure_link_seconds_per_byte
 from lightning_parallel.pipeline.microbatch import merge_microbatches, split_microbatches
-from lightning_parallel.pipeline.ownership import (
-    Ownership,
-    TensorNames,
-    TiedAcrossStagesError,
-    restrict_optimizer,
-    stage_tensors_owned,
-    take_ownership,
-)
-from lightning_parallel.pipeline.partition import PartitionError, PartitionPlan, partition
-from lightning_parallel.pipeline.profile import (
-    ModelProfile,
-    estimate_layers,
-    mean_profile,
-    profile_layers,
-    tensors_of,
-)
-from lightning_parallel.pipeline.runtime import StageRuntime
+from lightning_parallel.pipeline.ownership import TensorNames, restrict_optimizers
+from lightning_parallel.pipeline.partition import PartitionPlan
+from lightning_parallel.pipeline.patching import capture_input, patched
+from lightning_parallel.pipeline.schedule import Schedule
 from lightning_parallel.pipeline.stages import (
-    PipelineSplitError,
-    StageModule,
-    check_boundaries,
-    even_boundaries,
     is_deferred,
     layer_sequence,
     pipeline_body,
+    put_back,
     split_stages,
 )
-from lightning_parallel.pipeline.summary import LoggedValue, LogRecorder, StepSummary
-from lightning_parallel.pipeline.timeline import TimelineEvent, events_to_dicts, plot_timeline
+from lightning_parallel.pipeline.summary import LoggedValue, LogRecorder, point_metrics_at
+from lightning_parallel.pipeline.timeline import TimelineEvent, gather_timeline, save_timeline
 from lightning_parallel.pipeline.topology import (
-    PLACEMENTS,
     PipelineTopology,
     ProcessGroups,
     build_process_groups,
 )
-from lightning_parallel.pipeline.transport import StageTransport
-from lightning_parallel.strategies.base import ParallelStrategyBase
+from lightning_parallel.strategies.pipeline_checkpoints import PipelineCheckpoints
 
 __all__ = ["PipelineStrategyBase"]
 
 
-class _InputCaptured(Exception):
-    """Raised by the capturing ``forward`` to stop the user's step once the inputs are known."""
-
-    def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        super().__init__("model input captured")
-        self.args, self.kwargs = args, kwargs
-
-
-@contextmanager
-def patched(target: Any, name: str, replacement: Any) -> Iterator[None]:
-    """Set an instance attribute for the block, then restore what was there."""
-    had = name in vars(target)
-    previous = vars(target).get(name)
-    setattr(target, name, replacement)
-    try:
-        yield
-    finally:
-        if had:
-            setattr(target, name, previous)
-        else:
-            delattr(target, name)
-
-
-def _normal_tensors(value: Any) -> Any:
-    """Clone tensors made under ``torch.inference_mode`` so autograd may use them."""
-    if isinstance(value, Tensor):
-        return value.clone() if value.is_inference() else value
-    if isinstance(value, tuple):
-        return tuple(_normal_tensors(v) for v in value)
-    if isinstance(value, list):
-        return [_normal_tensors(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _normal_tensors(v) for k, v in value.items()}
-    return value
-
-
-@dataclass
-class Pipeline:
-    """This rank's part of the pipeline, built once the first batch shows the model's input.
-
-    Attributes:
-        stages: every stage's module (only this rank's holds real tensors).
-        boundaries: index of the first layer of stages 1..p-1.
-        owned: this rank's parameters and buffers (its stage's; the last stage also owns the
-            module's tensors outside the split body).
-        owned_names: the model's name of each owned tensor.
-        runtime: the flush engine (training for GroPipe, evaluation for every strategy).
-        summary: the end-of-step exchange inside the pipeline group.
-        plan: the partition plan (``None`` for given or even boundaries).
-        released_bytes: bytes of the other stages' tensors this rank let go.
-    """
-
-    stages: list[StageModule]
-    boundaries: list[int]
-    owned: list[Tensor]
-    owned_names: list[str]
-    runtime: StageRuntime
-    summary: StepSummary
-    plan: PartitionPlan | None
-    released_bytes: int = 0
-    owned_parameters: list[nn.Parameter] = field(init=False)
-    name_of: dict[int, str] = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.owned_parameters = [t for t in self.owned if isinstance(t, nn.Parameter)]
-        self.name_of = {id(t): name for t, name in zip(self.owned, self.owned_names)}
-
-
-class PipelineStrategyBase(ParallelStrategyBase):
+class PipelineStrategyBase(PipelineCheckpoints):
     """The shared Lightning integration of the pipeline strategies (see the module docstring).
 
     Args:
@@ -208,8 +112,10 @@ class PipelineStrategyBase(ParallelStrategyBase):
 
     reports_communication = True
     wraps_in_ddp = False  # no DistributedDataParallel: its keywords are refused
-    #: the rank keeps only its stage (an engine that needs the whole model says False)
-    owns_stages: ClassVar[bool] = True
+    #: the recomputation mode the runtime and the partitioner assume (GroPipe's ``recompute``)
+    recompute: str = "never"
+    #: the schedule the partitioner models (GroPipe's; ``None``: 1F1B)
+    schedule: Schedule | None = None
 
     def __init__(
         self,
@@ -227,32 +133,9 @@ class PipelineStrategyBase(ParallelStrategyBase):
     ) -> None:
         if timeline_steps < 1:
             raise ValueError(f"timeline_steps must be at least 1, got {timeline_steps}")
-        if not isinstance(stages, int) or stages < 1:
-            raise ValueError(f"stages must be a positive integer, got {stages!r}")
-        if not isinstance(micro_batches, int) or micro_batches < 1:
-            raise ValueError(f"micro_batches must be a positive integer, got {micro_batches!r}")
-        if isinstance(partition, str):
-            if partition not in ("auto", "estimate", "even"):
-                raise ValueError(
-                    f"partition must be 'auto', 'estimate', 'even' or a list of {stages - 1} "
-                    f"boundaries, got {partition!r}"
-                )
-        elif len(partition) != stages - 1:
-            raise ValueError(
-                f"partition lists the first layer of stages 1..{stages - 1}: it needs "
-                f"{stages - 1} boundaries, got {list(partition)}"
-            )
-        if profile_repeats < 1:
-            raise ValueError(f"profile_repeats must be at least 1, got {profile_repeats}")
-        if placement not in PLACEMENTS:
-            raise ValueError(
-                f"placement must be one of {PLACEMENTS} ('stage' keeps each stage's data-parallel "
-                f"allreduce on one host), got {placement!r}"
-            )
-        if memory_limit_bytes is not None and not memory_limit_bytes > 0:
-            raise ValueError(
-                f"memory_limit_bytes must be > 0 (or None: no limit), got {memory_limit_bytes!r}"
-            )
+        check_arguments(
+            stages, micro_batches, partition, memory_limit_bytes, profile_repeats, placement
+        )
         super().__init__(timeout=timeout, start_method=start_method, **kwargs)
         self.stages = stages
         self.micro_batches = micro_batches
@@ -265,13 +148,13 @@ class PipelineStrategyBase(ParallelStrategyBase):
             maxlen=timeline_steps
         )
         self.partition_plan: PartitionPlan | None = None
-        self._topology: PipelineTopology | None = None
+        self._topology = None
         self._groups: ProcessGroups | None = None
-        self._cpu_group: dist.ProcessGroup | None = None
-        self._pipeline: Pipeline | None = None
-        self._boundaries: list[int] | None = None
+        self._cpu_group = None
+        self._pipeline = None
+        self._boundaries = None
         self._layers: list[nn.Module] | None = None
-        self._resume: dict[str, Any] | None = None
+        self._resume = None
         self._names: dict[int, str] = {}
         self._replaced: dict[int, Tensor] = {}
 
@@ -288,10 +171,12 @@ class PipelineStrategyBase(ParallelStrategyBase):
         return PipelineTopology(self.groups * self.stages, self.stages, self.placement)
 
     @property
+    @override
     def group_index(self) -> int:
         return self._placement.group_of(self.global_rank)
 
     @property
+    @override
     def stage_index(self) -> int:
         return self._placement.stage_of(self.global_rank)
 
@@ -331,7 +216,7 @@ class PipelineStrategyBase(ParallelStrategyBase):
         if not is_deferred(self.model):
             self.model.to(self.root_device)
         else:  # the meta tensors are materialized on the device, stage by stage
-            _move_real(self.model, self.root_device)
+            move_real(self.model, self.root_device)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -362,7 +247,8 @@ class PipelineStrategyBase(ParallelStrategyBase):
             # rank 0's (a stage materialized later is synchronized then)
             broadcast_module_states(self.model)
         self.prepare_module(module, fitting)
-        self._point_metrics_at_replicas(module)
+        assert self._groups is not None  # torchmetrics sync over a stage's replicas
+        point_metrics_at(module, self._groups.data_parallel)
         if fitting:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
@@ -380,29 +266,12 @@ class PipelineStrategyBase(ParallelStrategyBase):
         replacements, whose tensors a device move (CUDA to the CPU and back) has left behind."""
         if self._layers is None or not originals:
             return
-        self._layers = [originals.get(layer, layer) for layer in self._layers]
-        for layer in self._layers:
-            for parent in layer.modules():
-                for name, child in parent._modules.items():
-                    if child is not None and child in originals:
-                        parent._modules[name] = originals[child]
+        self._layers = put_back(self._layers, originals)
 
     def held_elsewhere(self) -> list[nn.Module]:
         """Modules outside the model that refer to its tensors (layers an engine replaced and
         will put back); ownership moves their tensors too (an engine's hook; default: none)."""
         return []
-
-    def _point_metrics_at_replicas(self, module: nn.Module) -> None:
-        """torchmetrics sync over the data-parallel replicas of a stage, not the world (only the
-        last stages update them: a world-wide sync would wait for the others forever)."""
-        assert self._groups is not None
-        for child in module.modules():
-            if (
-                hasattr(child, "process_group")
-                and hasattr(child, "compute")
-                and child.process_group is None
-            ):
-                child.process_group = self._groups.data_parallel
 
     # -- assembly ----------------------------------------------------------------------------
 
@@ -415,25 +284,7 @@ class PipelineStrategyBase(ParallelStrategyBase):
         """The positional arguments the user's ``hook`` passes to the model's ``forward``."""
         module = self.lightning_module
         assert module is not None
-
-        def capture(*args: Any, **kwargs: Any) -> Any:
-            raise _InputCaptured(args, kwargs)
-
-        with patched(self._body, "forward", capture), patched(module, "log", lambda *a, **k: None):
-            try:
-                getattr(module, hook)(micro_batch, *hook_args)
-            except _InputCaptured as captured:
-                if captured.kwargs:
-                    raise ValueError(
-                        f"the model's forward was called with keyword arguments "
-                        f"{sorted(captured.kwargs)} in {hook}; a pipeline passes positional "
-                        "arguments only: call self(x) / self.layers(x)"
-                    ) from None
-                return captured.args
-        raise ValueError(
-            f"{type(module).__name__}.{hook} never called the model's forward; a pipeline needs "
-            "`self(x)` (or `self.layers(x)`) once per batch in every step method it runs"
-        )
+        return capture_input(module, self._body, hook, micro_batch, hook_args)
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
@@ -457,88 +308,43 @@ class PipelineStrategyBase(ParallelStrategyBase):
         assert module is not None and self._topology is not None and self._groups is not None
         body = self._body
         with torch.inference_mode(False), torch.enable_grad():
-            example = _normal_tensors(example_args)
+            example = normal_tensors(example_args)
             if body is not module and not is_deferred(module):
-                _check_forward_is_layers(module, body, example)
+                check_forward_is_layers(module, body, example)
             if self._layers is None:
                 self._layers = layer_sequence(body, example)
             layers = self._layers
             boundaries, plan = self._choose_boundaries(layers, example)
         stages = split_stages(layers, boundaries)
-        k = self.stage_index
         # every tensor's name before any is replaced: the user's optimizer refers to these
         self._names = TensorNames.of(module).name_of()
-        try:
-            if self.owns_stages:
-                ownership = take_ownership(
-                    module, stages, k, self.root_device, also=self.held_elsewhere()
-                )
-            else:
-                owned = stage_tensors_owned(module, stages, k)
-                ownership = Ownership(owned, [self._names[id(t)] for t in owned], {}, 0, False)
-        except (TiedAcrossStagesError, ValueError) as error:
-            raise PipelineSplitError(str(error)) from error
-        owned, owned_names, released = ownership.owned, ownership.names, ownership.released_bytes
-        self._replaced = ownership.replaced
-        if ownership.materialized:
-            self._sync_materialized(owned)
-        runtime, summary = self._build_runtime(stages, owned)
-        self._boundaries, self.partition_plan = boundaries, plan
-        for index, boundary in enumerate(boundaries):  # which split ran, in every record
-            process_ledger().set_gauge(f"partition_boundary_{index}", float(boundary))
-        self._pipeline = Pipeline(
-            stages, boundaries, owned, owned_names, runtime, summary, plan, released
+        self._pipeline, self._replaced = assemble(
+            module,
+            stages,
+            boundaries,
+            plan,
+            self._names,
+            release=self.owns_stages,
+            held_elsewhere=self.held_elsewhere,
+            topology=self._topology,
+            groups=self._groups,
+            rank=self.global_rank,
+            device=self.root_device,
+            recompute=self.recompute,
+            gradient_sync=self.gradient_sync,
         )
+        self._boundaries, self.partition_plan = boundaries, plan
         self._apply_resume(self._pipeline)
         trainer = getattr(module, "_trainer", None)
-        if trainer is not None and trainer.state.fn == TrainerFn.FITTING and self.optimizers:
-            self._restrict_optimizers(self._pipeline)
-        return self._pipeline
-
-    def _sync_materialized(self, owned: Sequence[Tensor]) -> None:
-        """A stage materialized from ``meta`` starts alike on its data-parallel replicas."""
-        assert self._groups is not None and self._topology is not None
-        if self.groups > 1 and self._groups.data_parallel is not None:
-            source = self._topology.rank(0, self.stage_index)
-            group = self._groups.data_parallel
-            with torch.no_grad():
-                for tensor in owned:
-                    broadcast_(tensor, source, group)
-
-    def _build_runtime(
-        self, stages: list[StageModule], owned: list[Tensor]
-    ) -> tuple[StageRuntime, StepSummary]:
-        assert self._topology is not None and self._groups is not None
-        topology, groups, k = self._topology, self._groups, self.stage_index
-        transport = None
-        if self.stages > 1:
-            transport = StageTransport(
-                k,
-                topology.pipeline_ranks(self.group_index),
-                groups.pipeline,
-                self.root_device,
-                backward_group=groups.pipeline_backward,
-                bookkeeping_group=groups.bookkeeping,
+        fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
+        if fitting and self.optimizers and self.owns_stages:
+            # every optimizer rebuilt over this stage's parameters, its schedulers repointed
+            schedulers = [config.scheduler for config in self.lr_scheduler_configs]
+            self.optimizers = restrict_optimizers(
+                self.optimizers, self._pipeline.owned, self._replaced, self._names, schedulers
             )
-        parameters = [t for t in owned if isinstance(t, nn.Parameter)]
-        runtime = StageRuntime(
-            stages[k],
-            k,
-            self.stages,
-            transport,
-            recompute=getattr(self, "recompute", "never"),
-            gradient_sync=self.gradient_sync(parameters),
-            batch_norm_group=groups.data_parallel,
-            reduce_batch_norm=topology.groups > 1,
-            rank=self.global_rank,
-        )
-        summary = StepSummary(
-            self.stages,
-            k,
-            groups.bookkeeping if groups.bookkeeping is not None else groups.pipeline,
-            topology.rank(self.group_index, self.stages - 1),
-        )
-        return runtime, summary
+            self._apply_resume_optimizers()
+        return self._pipeline
 
     def gradient_sync(self, parameters: list[nn.Parameter]) -> PartitionGradientSync | None:
         """The stage's gradient averaging across groups (an engine's hook; default: GroPipe's
@@ -546,90 +352,26 @@ class PipelineStrategyBase(ParallelStrategyBase):
         assert self._groups is not None and self._topology is not None
         return PartitionGradientSync(parameters, self._groups.data_parallel, self._topology.groups)
 
-    def _restrict_optimizers(self, pipeline: Pipeline) -> None:
-        """Rebuild every optimizer over this stage's parameters; repoint its schedulers."""
-        if not self.owns_stages:
-            return
-        owned_ids = {id(t) for t in pipeline.owned}
-        rebuilt = []
-        for optimizer in self.optimizers:
-            inner = getattr(optimizer, "_optimizer", optimizer)
-            keep: dict[int, nn.Parameter] = {}
-            for group in inner.param_groups:
-                for parameter in group["params"]:
-                    current = self._replaced.get(id(parameter), parameter)
-                    if id(current) in owned_ids:
-                        keep[id(parameter)] = current  # type: ignore[assignment]
-            restricted = restrict_optimizer(inner, keep)
-            # the name of every parameter of the user's optimizer, group by group: the layout
-            # of its state in checkpoints
-            restricted._lp_parameter_names = [  # type: ignore[attr-defined]
-                [self._names[id(p)] for p in group["params"]] for group in inner.param_groups
-            ]
-            for config in self.lr_scheduler_configs:
-                if config.scheduler.optimizer is inner:
-                    config.scheduler.optimizer = restricted
-            # the user's optimizer lets go of every tensor: whoever still holds it must not
-            # keep the released stages alive
-            inner.param_groups.clear()
-            inner.state.clear()
-            rebuilt.append(restricted)
-        self.optimizers = rebuilt
-        self._apply_resume_optimizers()
-
     def _choose_boundaries(
         self, layers: Sequence[nn.Module], example: tuple[Any, ...]
     ) -> tuple[list[int], PartitionPlan | None]:
         if self._boundaries is not None:
             return self._boundaries, self.partition_plan
-        if isinstance(self.partition, list):
-            check_boundaries(self.partition, len(layers))
-            return list(self.partition), None
-        if self.partition == "even" or self.stages == 1:
-            return even_boundaries(len(layers), self.stages), None
-        # estimated from shapes (the same on every rank and run), or timed
-        deferred = self.partition == "estimate" or any(is_deferred(layer) for layer in layers)
-        # "auto": every rank profiles at the same time, so that the timings see what training
-        # will see (the other ranks computing beside it, sharing cores and memory bandwidth);
-        # the per-layer times are averaged over ranks and every rank partitions the same way.
-        # A deferred model has no weights to time: its costs are estimated from shapes alike
-        # on every rank.
-        try:
-            mine: ModelProfile | str = (
-                estimate_layers(layers, example)
-                if deferred
-                else profile_layers(
-                    layers,
-                    example,
-                    repeats=self.profile_repeats,
-                    micro_batches=self.micro_batches,
-                )
-            )
-        except (PartitionError, PipelineSplitError) as error:
-            mine = str(error)
-        profiles: list[Any] = [mine]
-        if not deferred and dist.is_available() and dist.is_initialized() and self.world_size > 1:
-            profiles = [None] * self.world_size
-            dist.all_gather_object(profiles, mine)
-        errors = [p for p in profiles if isinstance(p, str)]
-        if errors:
-            raise PartitionError(errors[0])
-        link = 0.0
-        if not deferred and len(profiles) > 1 and self._topology is not None:
-            # the cut's transfers count beside compute (pipeline.link)
-            pipelines = [self._topology.pipeline_ranks(g) for g in range(self.groups)]
-            link = measure_link_seconds_per_byte(pipelines, self.global_rank, self.root_device)
-            process_ledger().set_gauge("link_seconds_per_megabyte", link * 2**20)
-        plan = partition(
-            mean_profile(profiles),
-            self.stages,
-            self.micro_batches,
-            schedule=getattr(getattr(self, "schedule", None), "name", "1f1b"),
-            recompute=getattr(self, "recompute", "never"),
+        return choose_boundaries(
+            layers,
+            example,
+            how=self.partition,
+            stages=self.stages,
+            micro_batches=self.micro_batches,
+            profile_repeats=self.profile_repeats,
             memory_limit_bytes=self.memory_limit_bytes,
-            link_seconds_per_byte=link,
+            schedule=self.schedule.name if self.schedule is not None else "1f1b",
+            recompute=self.recompute,
+            topology=self._topology,
+            rank=self.global_rank,
+            world_size=self.world_size,
+            device=lambda: self.root_device,
         )
-        return list(plan.boundaries), plan
 
     # -- the user's code ---------------------------------------------------------------------
 
@@ -722,150 +464,6 @@ class PipelineStrategyBase(ParallelStrategyBase):
             dist.all_reduce(value)
         return bool(value == self.world_size) if all else bool(value)
 
-    # -- checkpoints -------------------------------------------------------------------------
-
-    def _owners(self) -> list[int]:
-        assert self._topology is not None
-        return [self._topology.rank(0, stage) for stage in range(self.stages)]
-
-    def stage_state(self) -> dict[str, Any]:
-        """Per-stage state an engine keeps in checkpoints, beside weights and optimizer state
-        (default: none). Every rank returns its own stage's; the checkpoint holds every
-        stage's under ``"pipeline"``."""
-        return {}
-
-    def load_stage_state(self, state: dict[str, Any]) -> None:
-        """Resume what :meth:`stage_state` returned for this rank's stage."""
-
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        """This rank's own stage (the other stages arrive in :meth:`save_checkpoint`)."""
-        module = self.lightning_module
-        assert module is not None
-        return {k: v for k, v in module.state_dict().items() if not v.is_meta}
-
-    @override
-    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        """This rank's part of the optimizer state, in the layout of the user's optimizer over
-        the whole model (:mod:`~lightning_parallel.pipeline.checkpoint_layout`)."""
-        inner = getattr(optimizer, "_optimizer", optimizer)
-        names = getattr(inner, "_lp_parameter_names", None)
-        if names is None or self._pipeline is None:
-            return inner.state_dict()
-        return whole_model_layout(inner, names, self._pipeline.name_of)
-
-    @override
-    def save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: StrPath, storage_options: Any | None = None
-    ) -> None:
-        """Every stage's pieces to rank 0, one at a time; rank 0 writes one whole checkpoint."""
-        if self._pipeline is None or self.world_size == 1 or not self.owns_stages:
-            if self.is_global_zero:
-                self._write(checkpoint, filepath, storage_options)
-            return
-        pieces = {
-            "state_dict": checkpoint.get("state_dict", {}),
-            "optimizer_states": [
-                s.get("state", {}) for s in checkpoint.get("optimizer_states", [])
-            ],
-            "stage": self.stage_state(),
-        }
-        spill = None
-        if self.is_global_zero:
-            spill = Path(tempfile.mkdtemp(prefix=".lp-stages-", dir=_local_folder(filepath)))
-        try:
-            gathered = gather_to_root(
-                pieces if self.group_index == 0 else None,
-                self._owners(),
-                root=0,
-                spill=spill,
-                group=self._cpu_group,
-            )
-            if gathered is not None:  # rank 0
-                order = list(self.lightning_module.state_dict())  # type: ignore[union-attr]
-                merged = merge_stages(checkpoint, gathered, order)
-                merged["pipeline"] = {
-                    "boundaries": list(self._pipeline.boundaries),
-                    "stages": [part["stage"] for part in gathered],
-                }
-                self._write(merged, filepath, storage_options)
-        finally:
-            remove_spill(spill)
-        self.barrier("pipeline checkpoint written")
-
-    def _write(self, checkpoint: dict[str, Any], filepath: StrPath, storage_options: Any) -> None:
-        if "://" in str(filepath) or storage_options is not None:
-            self.checkpoint_io.save_checkpoint(
-                checkpoint, filepath, storage_options=storage_options
-            )
-        else:
-            save_atomically(checkpoint, filepath)
-
-    @override
-    def load_checkpoint(
-        self, checkpoint_path: StrPath, *args: Any, **kwargs: Any
-    ) -> dict[str, Any]:
-        if "://" in str(checkpoint_path):
-            checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
-        else:
-            # memory-mapped: a rank copies its own stage and touches nothing else
-            checkpoint = torch.load(
-                checkpoint_path, map_location="cpu", mmap=True, weights_only=False
-            )
-        pipeline = checkpoint.get("pipeline")
-        if pipeline and self._boundaries is None and len(pipeline["boundaries"]) == self.stages - 1:
-            self._boundaries = [int(b) for b in pipeline["boundaries"]]  # resume the same split
-        self._resume = {"checkpoint": checkpoint}
-        return checkpoint
-
-    @override
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        module = self.lightning_module
-        assert module is not None
-        if self._pipeline is not None or not is_deferred(module):
-            full = checkpoint["state_dict"]
-            if self._pipeline is not None:  # keep the other stages on meta
-                owned = set(self._pipeline.owned_names)
-                full = {k: v for k, v in full.items() if k in owned}
-            module.load_state_dict(full, strict=strict and self._pipeline is None)
-        # else: applied to the owned tensors once the stage is materialized (_apply_resume)
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        # applied by name to the rebuilt optimizer (_apply_resume_optimizers)
-        self._resume = {**(self._resume or {}), "optimizers": checkpoint["optimizer_states"]}
-        if self._pipeline is not None:
-            self._apply_resume_optimizers()
-
-    def _apply_resume(self, pipeline: Pipeline) -> None:
-        checkpoint = (self._resume or {}).get("checkpoint")
-        if checkpoint is None:
-            return
-        module = self.lightning_module
-        assert module is not None
-        saved = checkpoint.get("state_dict", {})
-        with torch.no_grad():
-            for name, tensor in zip(pipeline.owned_names, pipeline.owned):
-                if name in saved:
-                    tensor.copy_(saved[name])
-        split = checkpoint.get("pipeline") or {}
-        if split.get("boundaries") == pipeline.boundaries and len(split["stages"]) == self.stages:
-            self.load_stage_state(split["stages"][self.stage_index])
-        self._resume = {k: v for k, v in (self._resume or {}).items() if k != "checkpoint"}
-
-    def _apply_resume_optimizers(self) -> None:
-        states = (self._resume or {}).get("optimizers")
-        if states is None or self._pipeline is None:
-            return
-        for optimizer, saved in zip(self.optimizers, states):
-            inner = getattr(optimizer, "_optimizer", optimizer)
-            names = getattr(inner, "_lp_parameter_names", None)
-            if names is None:
-                inner.load_state_dict(saved)
-            else:
-                load_whole_model_layout(inner, saved, names, self._pipeline.name_of)
-        self._resume = {k: v for k, v in (self._resume or {}).items() if k != "optimizers"}
-
     # -- the end of fit ----------------------------------------------------------------------
 
     @override
@@ -879,44 +477,13 @@ class PipelineStrategyBase(ParallelStrategyBase):
     def write_timeline(self, path: Path) -> None:
         """Gather every rank's measured events of the last steps; rank 0 writes them."""
         events = [event for step in self.timeline for event in step]
-        gathered: list[Any] = [events]
-        if self.world_size > 1:
-            gathered = [None] * self.world_size
-            dist.all_gather_object(gathered, events)
-        if self.global_rank != 0:
-            return
-        everything = [event for rank_events in gathered for event in rank_events]
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if path.suffix == ".png":
-            plot_timeline(everything, path, title=self.timeline_title())
-        else:
-            path.write_text(json.dumps(events_to_dicts(everything)))
+        everything = gather_timeline(events, self.global_rank, self.world_size)
+        if everything is not None:
+            save_timeline(everything, path, self.timeline_title())
 
     def timeline_title(self) -> str:
         """The title of the timeline plot."""
         return f"{type(self).__name__}, p={self.stages}"
-
-    def gather_model_on_rank_zero(self) -> None:
-        """Give rank 0 every stage's weights, one stage at a time (collective). Rank 0 then
-        holds the whole model (what the spawn/fork launchers hand back to the parent)."""
-        if self._pipeline is None or self.world_size == 1:
-            return
-        module = self.lightning_module
-        assert module is not None
-        spill = Path(tempfile.mkdtemp(prefix=".lp-model-")) if self.is_global_zero else None
-        try:
-            gathered = gather_to_root(
-                self.lightning_module_state_dict() if self.group_index == 0 else None,
-                self._owners(),
-                root=0,
-                spill=spill,
-                group=self._cpu_group,
-            )
-            if gathered is not None:
-                whole = {k: v.clone() for part in gathered for k, v in part.items()}
-                module.load_state_dict(whole, strict=False, assign=True)
-        finally:
-            remove_spill(spill)
 
     @override
     def teardown(self) -> None:
@@ -926,65 +493,5 @@ class PipelineStrategyBase(ParallelStrategyBase):
             super().teardown()
             return
         # Lightning moves the module to the CPU, which meta tensors refuse: move what is real
-        with patched(module, "cpu", lambda: _move_real(module, torch.device("cpu"))):
+        with patched(module, "cpu", lambda: move_real(module, torch.device("cpu"))):
             super().teardown()
-
-
-def _check_forward_is_layers(module: nn.Module, body: nn.Module, example: tuple[Any, ...]) -> None:
-    modes = {m: m.training for m in module.modules()}
-    module.eval()
-    try:
-        with torch.no_grad():
-            expected, split = module(*example), body(*example)
-            same = all(
-                torch.allclose(a, b, rtol=1e-5, atol=1e-6)
-                for a, b in zip(tensors_of(expected), tensors_of(split), strict=True)
-            )
-    except ValueError:  # not the same number of outputs
-        same = False
-    finally:
-        for child, training in modes.items():
-            child.training = training
-    if not same:
-        raise PipelineSplitError(
-            f"{type(module).__name__}.forward(x) differs from self.layers(x); the pipeline "
-            "splits self.layers, so forward must be exactly `return self.layers(x)` (move "
-            "other computation into layers, or into training_step after the forward)"
-        )
-
-
-def _move_real(model: nn.Module, device: torch.device) -> nn.Module:
-    """``model.to(device)`` for every tensor that is not on the meta device, torchmetrics'
-    states included (Lightning's ``model.to`` moves them; a metric left on the CPU fails its
-    first update with CUDA inputs)."""
-    with torch.no_grad():
-        for module in model.modules():
-            for slots in (module._parameters, module._buffers):
-                for name, tensor in list(slots.items()):
-                    if tensor is None or tensor.is_meta or tensor.device == device:
-                        continue
-                    moved = tensor.to(device)
-                    if isinstance(tensor, nn.Parameter):
-                        moved = nn.Parameter(moved, requires_grad=tensor.requires_grad)
-                    slots[name] = moved  # type: ignore[assignment]
-        for module in model.modules():
-            # its states are neither parameters nor buffers (a metric built on meta, in
-            # configure_model, cannot move: it stays, as its meta tensors do)
-            if isinstance(module, Metric) and not _has_meta_tensors(module):
-                module.to(device)
-    return model
-
-
-def _has_meta_tensors(metric: Metric) -> bool:
-    """Whether a torchmetrics metric holds a meta tensor: a parameter, buffer or state."""
-    states = [getattr(metric, name, None) for name in metric._defaults]
-    tensors = [t for s in states for t in (s if isinstance(s, list) else [s])]
-    return is_deferred(metric) or any(isinstance(t, Tensor) and t.is_meta for t in tensors)
-
-
-def _local_folder(filepath: StrPath) -> str | None:
-    if "://" in str(filepath):
-        return None
-    folder = Path(filepath).parent
-    folder.mkdir(parents=True, exist_ok=True)
-    return str(folder)

@@ -278,14 +278,14 @@ def test_bad_arguments_fail_at_construction(kwargs: dict[str, Any], message: str
 def test_an_estimated_partition_comes_from_shapes_and_is_the_same_every_time(monkeypatch) -> None:
     """``partition="estimate"`` splits by FLOPs and bytes (``estimate_layers``), never by
     timings, so every run of a model gets the same stages."""
+    from lightning_parallel.pipeline import assembly
     from lightning_parallel.pipeline.partition import partition
     from lightning_parallel.pipeline.profile import estimate_layers
-    from lightning_parallel.strategies import pipeline_base
 
     def timed(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("partition='estimate' must not time the layers")
 
-    monkeypatch.setattr(pipeline_base, "profile_layers", timed)
+    monkeypatch.setattr(assembly, "profile_layers", timed)
     layers = [nn.Linear(32, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU()]
     layers += [nn.Linear(512, 16), nn.ReLU(), nn.Linear(16, 4)]
     example = (torch.randn(8, 32),)

@@ -19,6 +19,7 @@ from helpers.pipelines import fit_then_validate
 from helpers.spies import recording
 from torch import nn
 
+from lightning_parallel.pipeline import device_moves
 from lightning_parallel.strategies import pipeline_base
 
 pytestmark = pytest.mark.slow
@@ -40,7 +41,7 @@ def _renew_tensors(model: nn.Module, device: torch.device | None = None) -> None
 
 def _fit_then_validate(rank: int, world: int, name: str, traced: bool) -> dict[str, Any]:
     metric_moves: list[int] = []  # per pipeline move: how many metrics moved with it
-    move_real = pipeline_base._move_real
+    move_real = device_moves.move_real
     with recording(torchmetrics.Metric, "_apply") as applied:
 
         def moving(model: nn.Module, device: torch.device) -> nn.Module:  # as CUDA's moves do
@@ -50,7 +51,7 @@ def _fit_then_validate(rank: int, world: int, name: str, traced: bool) -> dict[s
             _renew_tensors(model)
             return model
 
-        pipeline_base._move_real = moving
+        pipeline_base.move_real = moving  # where the strategy looks it up
         validated = fit_then_validate(rank, world, name, "cpu", traced)
     return {"validated": validated, "metric_moves": metric_moves}
 
@@ -75,6 +76,6 @@ def test_move_real_moves_real_metrics_and_leaves_meta_ones() -> None:
     real = torchmetrics.classification.MulticlassAccuracy(num_classes=3)
     model = nn.ModuleDict({"on_meta": on_meta, "real": real, "layer": nn.Linear(2, 2)})
     with recording(torchmetrics.Metric, "_apply") as moved:
-        pipeline_base._move_real(model, torch.device("cpu"))
+        device_moves.move_real(model, torch.device("cpu"))
     assert [call[0] for call in moved] == [real]
     assert on_meta.tp.is_meta

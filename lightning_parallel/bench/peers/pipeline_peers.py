@@ -41,12 +41,12 @@ from torch import Tensor
 from lightning_parallel.bench.peers.layers import peer_layers
 from lightning_parallel.bench.specs import register_baseline
 from lightning_parallel.comm.ledger import process_ledger
+from lightning_parallel.pipeline.assembly import Pipeline
 from lightning_parallel.pipeline.grad_sync import SyncTiming
 from lightning_parallel.pipeline.microbatch import merge_microbatches
 from lightning_parallel.pipeline.runtime import StepStatistics
 from lightning_parallel.pipeline.summary import SummaryResult
 from lightning_parallel.strategies.gropipe import GroPipeStrategy
-from lightning_parallel.strategies.pipeline_base import Pipeline
 
 __all__: list[str] = []
 

@@ -1,0 +1,233 @@
+"""The pipeline strategies' checkpoints: one whole file from stages held on different ranks.
+
+:class:`PipelineCheckpoints` is the checkpoint half of
+:class:`~lightning_parallel.strategies.pipeline_base.PipelineStrategyBase`:
+
+1. **saving**: every rank's checkpoint holds its own stage (its weights, and its optimizer
+   state in the layout of the user's optimizer over the whole model:
+   :mod:`~lightning_parallel.pipeline.checkpoint_layout`). The owners of group 0 send their
+   stage's pieces to rank 0 one stage at a time; rank 0 memory-maps each from a spill folder
+   beside the checkpoint, merges them with the split (boundaries, each stage's engine state)
+   and writes one consolidated file that loads under any strategy
+   (:mod:`~lightning_parallel.pipeline.consolidate`);
+2. **resuming**: the file is loaded memory-mapped; the saved boundaries are kept (a resumed run
+   builds the same stages) and each rank copies its own stage's weights, optimizer state and
+   engine state, once its stage exists (at the first batch), by name;
+3. **the end of fit**: :meth:`~PipelineCheckpoints.gather_model_on_rank_zero` gives rank 0
+   every stage's weights, stage by stage (what the ``spawn``/``fork`` launchers hand back).
+
+An engine keeps its own per-stage state (a weight predictor) with :meth:`stage_state` and
+:meth:`load_stage_state`.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+from typing_extensions import override
+
+from lightning_parallel.compat.types import StrPath
+from lightning_parallel.files import save_atomically
+from lightning_parallel.pipeline.assembly import Pipeline
+from lightning_parallel.pipeline.checkpoint_layout import (
+    load_whole_model_layout,
+    merge_pipeline_checkpoint,
+    stage_pieces,
+    whole_model_layout,
+)
+from lightning_parallel.pipeline.consolidate import gather_to_root, local_folder, remove_spill
+from lightning_parallel.pipeline.stages import is_deferred
+from lightning_parallel.pipeline.topology import PipelineTopology
+from lightning_parallel.strategies.base import ParallelStrategyBase
+
+__all__: list[str] = []
+
+
+class PipelineCheckpoints(ParallelStrategyBase):
+    """Save every stage in one checkpoint; resume each rank's own stage from it."""
+
+    #: pipeline stages per group, ``p``
+    stages: int
+    #: the rank keeps only its stage (an engine that needs the whole model says False)
+    owns_stages: ClassVar[bool] = True
+    #: this rank's part of the pipeline, once built
+    _pipeline: Pipeline | None = None
+    #: the placement, once the processes exist
+    _topology: PipelineTopology | None = None
+    #: a gloo group over the world for checkpoint bytes
+    _cpu_group: dist.ProcessGroup | None = None
+    #: the first layer of stages 1..p-1, once chosen (or read from a checkpoint)
+    _boundaries: list[int] | None = None
+    #: what a resumed checkpoint still has to give the stage: ``"checkpoint"``, ``"optimizers"``
+    _resume: dict[str, Any] | None = None
+
+    @property
+    def group_index(self) -> int:
+        """This rank's data-parallel group (the placement's)."""
+        raise NotImplementedError
+
+    @property
+    def stage_index(self) -> int:
+        """This rank's stage (the placement's)."""
+        raise NotImplementedError
+
+    def _owners(self) -> list[int]:
+        assert self._topology is not None
+        return [self._topology.rank(0, stage) for stage in range(self.stages)]
+
+    def stage_state(self) -> dict[str, Any]:
+        """Per-stage state an engine keeps in checkpoints, beside weights and optimizer state
+        (default: none). Every rank returns its own stage's; the checkpoint holds every
+        stage's under ``"pipeline"``."""
+        return {}
+
+    def load_stage_state(self, state: dict[str, Any]) -> None:
+        """Resume what :meth:`stage_state` returned for this rank's stage."""
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """This rank's own stage (the other stages arrive in :meth:`save_checkpoint`)."""
+        module = self.lightning_module
+        assert module is not None
+        return {k: v for k, v in module.state_dict().items() if not v.is_meta}
+
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        """This rank's part of the optimizer state, in the layout of the user's optimizer over
+        the whole model (:mod:`~lightning_parallel.pipeline.checkpoint_layout`)."""
+        inner = getattr(optimizer, "_optimizer", optimizer)
+        names = getattr(inner, "_lp_parameter_names", None)
+        if names is None or self._pipeline is None:
+            return inner.state_dict()
+        return whole_model_layout(inner, names, self._pipeline.name_of)
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: StrPath, storage_options: Any | None = None
+    ) -> None:
+        """Every stage's pieces to rank 0, one at a time; rank 0 writes one whole checkpoint."""
+        if self._pipeline is None or self.world_size == 1 or not self.owns_stages:
+            if self.is_global_zero:
+                self._write(checkpoint, filepath, storage_options)
+            return
+        pieces = stage_pieces(checkpoint, self.stage_state())
+        spill = None
+        if self.is_global_zero:
+            spill = Path(tempfile.mkdtemp(prefix=".lp-stages-", dir=local_folder(filepath)))
+        try:
+            gathered = gather_to_root(
+                pieces if self.group_index == 0 else None,
+                self._owners(),
+                root=0,
+                spill=spill,
+                group=self._cpu_group,
+            )
+            if gathered is not None:  # rank 0
+                order = list(self.lightning_module.state_dict())  # type: ignore[union-attr]
+                merged = merge_pipeline_checkpoint(
+                    checkpoint, gathered, order, self._pipeline.boundaries
+                )
+                self._write(merged, filepath, storage_options)
+        finally:
+            remove_spill(spill)
+        self.barrier("pipeline checkpoint written")
+
+    def _write(self, checkpoint: dict[str, Any], filepath: StrPath, storage_options: Any) -> None:
+        if "://" in str(filepath) or storage_options is not None:
+            self.checkpoint_io.save_checkpoint(
+                checkpoint, filepath, storage_options=storage_options
+            )
+        else:
+            save_atomically(checkpoint, filepath)
+
+    @override
+    def load_checkpoint(
+        self, checkpoint_path: StrPath, *args: Any, **kwargs: Any
+    ) -> dict[str, Any]:
+        if "://" in str(checkpoint_path):
+            checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
+        else:
+            # memory-mapped: a rank copies its own stage and touches nothing else
+            checkpoint = torch.load(
+                checkpoint_path, map_location="cpu", mmap=True, weights_only=False
+            )
+        pipeline = checkpoint.get("pipeline")
+        if pipeline and self._boundaries is None and len(pipeline["boundaries"]) == self.stages - 1:
+            self._boundaries = [int(b) for b in pipeline["boundaries"]]  # resume the same split
+        self._resume = {"checkpoint": checkpoint}
+        return checkpoint
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        module = self.lightning_module
+        assert module is not None
+        if self._pipeline is not None or not is_deferred(module):
+            full = checkpoint["state_dict"]
+            if self._pipeline is not None:  # keep the other stages on meta
+                owned = set(self._pipeline.owned_names)
+                full = {k: v for k, v in full.items() if k in owned}
+            module.load_state_dict(full, strict=strict and self._pipeline is None)
+        # else: applied to the owned tensors once the stage is materialized (_apply_resume)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        # applied by name to the rebuilt optimizer (_apply_resume_optimizers)
+        self._resume = {**(self._resume or {}), "optimizers": checkpoint["optimizer_states"]}
+        if self._pipeline is not None:
+            self._apply_resume_optimizers()
+
+    def _apply_resume(self, pipeline: Pipeline) -> None:
+        checkpoint = (self._resume or {}).get("checkpoint")
+        if checkpoint is None:
+            return
+        module = self.lightning_module
+        assert module is not None
+        saved = checkpoint.get("state_dict", {})
+        with torch.no_grad():
+            for name, tensor in zip(pipeline.owned_names, pipeline.owned):
+                if name in saved:
+                    tensor.copy_(saved[name])
+        split = checkpoint.get("pipeline") or {}
+        if split.get("boundaries") == pipeline.boundaries and len(split["stages"]) == self.stages:
+            self.load_stage_state(split["stages"][self.stage_index])
+        self._resume = {k: v for k, v in (self._resume or {}).items() if k != "checkpoint"}
+
+    def _apply_resume_optimizers(self) -> None:
+        states = (self._resume or {}).get("optimizers")
+        if states is None or self._pipeline is None:
+            return
+        for optimizer, saved in zip(self.optimizers, states):
+            inner = getattr(optimizer, "_optimizer", optimizer)
+            names = getattr(inner, "_lp_parameter_names", None)
+            if names is None:
+                inner.load_state_dict(saved)
+            else:
+                load_whole_model_layout(inner, saved, names, self._pipeline.name_of)
+        self._resume = {k: v for k, v in (self._resume or {}).items() if k != "optimizers"}
+
+    def gather_model_on_rank_zero(self) -> None:
+        """Give rank 0 every stage's weights, one stage at a time (collective). Rank 0 then
+        holds the whole model (what the spawn/fork launchers hand back to the parent)."""
+        if self._pipeline is None or self.world_size == 1:
+            return
+        module = self.lightning_module
+        assert module is not None
+        spill = Path(tempfile.mkdtemp(prefix=".lp-model-")) if self.is_global_zero else None
+        try:
+            gathered = gather_to_root(
+                self.lightning_module_state_dict() if self.group_index == 0 else None,
+                self._owners(),
+                root=0,
+                spill=spill,
+                group=self._cpu_group,
+            )
+            if gathered is not None:
+                whole = {k: v.clone() for part in gathered for k, v in part.items()}
+                module.load_state_dict(whole, strict=False, assign=True)
+        finally:
+            remove_spill(spill)
