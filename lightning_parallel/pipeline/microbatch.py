@@ -5,11 +5,16 @@ tensors (strings, numbers, ``None``) are copied into every micro-batch unchanged
 leaf must have the same size ``N`` along dimension 0; micro-batch ``j`` of ``m`` holds rows
 ``torch.tensor_split(range(N), m)[j]``, so sizes differ by at most one and the micro-batches
 concatenate back to the batch exactly.
+
+:class:`MicroBatchStep` is one training step's batch as micro-batches, the way every pipeline
+engine's step keeps it: each micro-batch's weight ``n_j/N`` in the step's loss, and what the
+user's ``training_step`` returned on each.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -118,3 +123,64 @@ def merge_microbatches(parts: Sequence[Any]) -> Any:
             first, [merge_microbatches([p[i] for p in parts]) for i in range(len(first))]
         )
     return first
+
+
+@dataclass
+class MicroBatchStep:
+    """One training step's micro-batches and the user's results on them.
+
+    Args:
+        batch: the whole batch.
+        micro: its micro-batches (:func:`split_microbatches`).
+        hook_args: what Lightning passed the step after the batch (``batch_idx``).
+        sizes: each micro-batch's size ``n_j``.
+        total: the batch's size ``N``.
+        results: what the user's ``training_step`` returned, by micro-batch.
+    """
+
+    batch: Any
+    micro: list[Any]
+    hook_args: tuple[Any, ...]
+    sizes: list[int]
+    total: int
+    results: dict[int, Any] = field(default_factory=dict)
+
+    @classmethod
+    def split(cls, batch: Any, hook_args: tuple[Any, ...], chunks: int) -> MicroBatchStep:
+        """``batch`` split into ``min(chunks, N)`` micro-batches."""
+        micro = split_microbatches(batch, chunks)
+        sizes = [batch_size(part) for part in micro]
+        return cls(batch, micro, hook_args, sizes, sum(sizes))
+
+    @property
+    def count(self) -> int:
+        """The number of micro-batches."""
+        return len(self.micro)
+
+    def weight(self, index: int) -> float:
+        """Micro-batch ``index``'s share ``n_j/N`` of the batch."""
+        return self.sizes[index] / self.total
+
+    def loss_of(self, index: int, result: Any, strategy: str) -> torch.Tensor:
+        """Keep micro-batch ``index``'s ``result`` and return its loss (the tensor, or the
+        ``"loss"`` of a dict); ``strategy`` names the strategy in the error.
+
+        Raises:
+            ValueError: no loss tensor (a skipped step, which a pipeline cannot skip).
+        """
+        self.results[index] = result
+        loss = result.get("loss") if isinstance(result, dict) else result
+        if not isinstance(loss, torch.Tensor):
+            raise ValueError(
+                "training_step must return the loss tensor (or a dict with 'loss') for every "
+                f"micro-batch under {strategy}; skipping a step is not supported"
+            )
+        return loss
+
+    def output(self, loss: torch.Tensor) -> Any:
+        """What the step returns to Lightning: the step's ``loss``, with the other keys of the
+        last micro-batch's result when it is a dict."""
+        last = self.results.get(self.count - 1)
+        if isinstance(last, dict):
+            return {**{k: v for k, v in last.items() if k != "loss"}, "loss": loss}
+        return loss

@@ -52,7 +52,7 @@ from lightning_parallel.compat import register_strategy
 from lightning_parallel.pipeline.assembly import Pipeline
 from lightning_parallel.pipeline.batchnorm import convert_deferred_batch_norm, restore_batch_norm
 from lightning_parallel.pipeline.grad_sync import SyncTiming
-from lightning_parallel.pipeline.microbatch import batch_size, split_microbatches
+from lightning_parallel.pipeline.microbatch import MicroBatchStep
 from lightning_parallel.pipeline.partition import projected_step
 from lightning_parallel.pipeline.recompute import check_recompute_mode, is_recomputing
 from lightning_parallel.pipeline.runtime import StepStatistics
@@ -174,7 +174,6 @@ class GroPipeStrategy(PipelineStrategyBase):
         super().setup(trainer)
         if self.optimizers:
             optimizers_to_device(self.optimizers, self.root_device)
-        setattr(self.precision_plugin, "clip_grad_by_norm", self._clip_grad_by_norm)  # noqa: B010
 
     @override
     def teardown(self) -> None:
@@ -187,8 +186,6 @@ class GroPipeStrategy(PipelineStrategyBase):
             restore_linear(body, self._replaced_linear)
             self.put_back_layers(originals)
         self._replaced_batch_norm, self._replaced_linear = {}, {}
-        if "clip_grad_by_norm" in vars(self.precision_plugin):
-            delattr(self.precision_plugin, "clip_grad_by_norm")
         super().teardown()
 
     # -- the training step -------------------------------------------------------------------
@@ -208,41 +205,23 @@ class GroPipeStrategy(PipelineStrategyBase):
             parameter.grad = gradient if parameter.grad is None else parameter.grad + gradient
 
     @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        module = self.lightning_module
-        assert module is not None
-        trainer = module.trainer
-        batch, hook_args = args[0], args[1:]
-        self.set_activity(f"pipeline schedule (stage {self.stage_index} of {self.stages})")
-        micro = split_microbatches(batch, self.micro_batches)
-        sizes = [batch_size(part) for part in micro]
-        total = sum(sizes)
-        count = len(micro)
-        first = self.stage_index == 0
-        inputs = None
-        if first or self._pipeline is None:  # others capture once, to build the pipeline
-            inputs = [
-                self.capture("training_step", part, hook_args)
-                for part in (micro if first else micro[:1])
-            ]
-        pipeline = self.ensure_pipeline(inputs[0] if inputs else ())
+    def train_micro_batches(
+        self, pipeline: Pipeline, step: MicroBatchStep, inputs: list[tuple[Any, ...]] | None
+    ) -> float:
+        """Run the schedule, then exchange the step's summary and stash the gradients."""
+        assert self.lightning_module is not None
+        trainer = self.lightning_module.trainer
+        hook_args, count = step.hook_args, step.count
         scale = 1.0 / trainer.accumulate_grad_batches
         recorder = LogRecorder()
-        results: dict[int, Any] = {}
 
         def loss_fn(index: int, output: Any) -> Tensor:
             live = None if is_recomputing() else recorder
             if live is not None:
-                live.start_micro_batch(sizes[index] / total)
-            result = self.user_step("training_step", micro[index], hook_args, output, live)
-            results[index] = result
-            loss = result.get("loss") if isinstance(result, dict) else result
-            if not isinstance(loss, Tensor):
-                raise ValueError(
-                    "training_step must return the loss tensor (or a dict with 'loss') for every "
-                    "micro-batch under GroPipeStrategy; skipping a step is not supported"
-                )
-            return loss * (sizes[index] / total * scale)
+                live.start_micro_batch(step.weight(index))
+            result = self.user_step("training_step", step.micro[index], hook_args, output, live)
+            loss = step.loss_of(index, result, "GroPipeStrategy")
+            return loss * (step.weight(index) * scale)
 
         previous = self._take_gradients()
         if (
@@ -254,7 +233,7 @@ class GroPipeStrategy(PipelineStrategyBase):
             # after this step, so the last step's need not live beside the new ones
             previous = {}
         with self.precision_plugin.train_step_context():
-            stats = self.run_schedule(pipeline, batch, count, inputs, loss_fn)
+            stats = self.run_schedule(pipeline, step.batch, count, inputs, loss_fn)
         loss = float(sum(float(v) for v in stats.losses.values())) / scale
         summary = pipeline.summary.exchange(
             loss,
@@ -270,11 +249,7 @@ class GroPipeStrategy(PipelineStrategyBase):
         self._give_gradients(previous)
         self.record(summary, stats, count)
         self.replay(summary.logged)
-        loss_tensor = torch.tensor(summary.loss, device=self.root_device)
-        last = results.get(count - 1)
-        if isinstance(last, dict):
-            return {**{k: v for k, v in last.items() if k != "loss"}, "loss": loss_tensor}
-        return loss_tensor
+        return summary.loss
 
     def run_schedule(
         self,
@@ -308,18 +283,15 @@ class GroPipeStrategy(PipelineStrategyBase):
         return pipeline.runtime.finish_gradient_sync()
 
     @override
-    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
-        """Hand back the gradients the pipeline computed in ``training_step``."""
-        module = self.lightning_module
-        assert module is not None
-        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+    def hand_back_gradients(self) -> None:
+        """Put back the gradients :meth:`train_micro_batches` stashed."""
         self._give_gradients(self._stash)
         self._stash = {}
-        return self.precision_plugin.post_backward(closure_loss, module)
 
-    def _clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
-        """``clip_grad_norm_`` with the norm of the whole model: each stage's squared norm is
-        summed over the pipeline group."""
+    @override
+    def gradient_norm(self, optimizer: Any) -> tuple[float, list[nn.Parameter]]:
+        """The norm of the whole model: each stage's squared norm summed over the pipeline
+        group."""
         assert self._groups is not None
         parameters = [p for p in self.precision_plugin.main_params(optimizer) if p.grad is not None]
         device = parameters[0].grad.device if parameters else self.root_device  # type: ignore[union-attr]
@@ -330,11 +302,7 @@ class GroPipeStrategy(PipelineStrategyBase):
         if self.stages > 1:
             squares = to_group(squares, self._groups.pipeline)
             dist.all_reduce(squares, group=self._groups.pipeline)
-        coefficient = float(clip_val) / (math.sqrt(float(squares)) + 1e-6)
-        if coefficient < 1.0:
-            for parameter in parameters:
-                assert parameter.grad is not None
-                parameter.grad.mul_(coefficient)
+        return math.sqrt(float(squares)), parameters
 
     # -- telemetry ---------------------------------------------------------------------------
 

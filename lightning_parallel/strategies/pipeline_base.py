@@ -16,8 +16,10 @@ data-parallel groups of ``stages`` pipeline stages. It owns what does not depend
    tensors go to ``meta``, a deferred (meta) stage is materialized, and the optimizer is
    rebuilt over the owned parameters with its hyperparameters and schedulers kept;
 3. **the user's code**: ``training_step``/``validation_step`` called with ``forward`` patched to
-   return the pipeline's output on the last stage, logged values mirrored to every rank,
-   ``reduce`` over a stage's data-parallel replicas, evaluation as pipelined forwards;
+   return the pipeline's output on the last stage (the training step, ``backward`` and clipping
+   by norm: the inherited :class:`~.pipeline_training.PipelineTraining`), logged values mirrored
+   to every rank, ``reduce`` over a stage's data-parallel replicas, evaluation as pipelined
+   forwards;
 4. **checkpoints** (always whole) and the whole model on rank 0 after a ``spawn``/``fork``
    ``fit``: the inherited :class:`~.pipeline_checkpoints.PipelineCheckpoints`. Otherwise after
    ``fit`` a rank holds its own stage only; the other stages' parameters are on ``meta``.
@@ -25,13 +27,13 @@ data-parallel groups of ``stages`` pipeline stages. It owns what does not depend
 Extension points for a subclass (an engine): :meth:`prepare_module` (convert layers before the
 optimizers exist), :meth:`gradient_sync` (the stage's cross-group gradient averaging, or
 ``None``), :meth:`stage_state` / :meth:`load_stage_state` (per-stage state to checkpoint, e.g.
-a weight predictor), and Lightning's own ``training_step``/``backward``/``optimizer_step``.
+a weight predictor), the training step's :meth:`train_micro_batches`, :meth:`gradient_norm`
+and :meth:`hand_back_gradients`, and Lightning's own ``optimizer_step``.
 """
 
 from __future__ import annotations
 
 import collections
-import inspect
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
@@ -78,12 +80,12 @@ from lightning_parallel.pipeline.topology import (
     ProcessGroups,
     build_process_groups,
 )
-from lightning_parallel.strategies.pipeline_checkpoints import PipelineCheckpoints
+from lightning_parallel.strategies.pipeline_training import PipelineTraining
 
 __all__ = ["PipelineStrategyBase"]
 
 
-class PipelineStrategyBase(PipelineCheckpoints):
+class PipelineStrategyBase(PipelineTraining):
     """The shared Lightning integration of the pipeline strategies (see the module docstring).
 
     Args:
@@ -252,6 +254,7 @@ class PipelineStrategyBase(PipelineCheckpoints):
         if fitting:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
+        self.install_gradient_clipping()
         self._pipeline = None  # built at the first batch (the model input shows its shapes)
 
     def prepare_module(self, module: pl.LightningModule, fitting: bool) -> None:
@@ -280,6 +283,7 @@ class PipelineStrategyBase(PipelineCheckpoints):
         assert self.lightning_module is not None
         return pipeline_body(self.lightning_module)
 
+    @override
     def capture(self, hook: str, micro_batch: Any, hook_args: Sequence[Any]) -> tuple[Any, ...]:
         """The positional arguments the user's ``hook`` passes to the model's ``forward``."""
         module = self.lightning_module
@@ -287,19 +291,6 @@ class PipelineStrategyBase(PipelineCheckpoints):
         return capture_input(module, self._body, hook, micro_batch, hook_args)
 
     @override
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        # build (and take ownership) before Lightning's closure runs, so that the optimizer it
-        # steps is the one rebuilt over this stage's parameters
-        super().on_train_batch_start(batch, batch_idx)
-        if self._pipeline is None:
-            module = self.lightning_module
-            assert module is not None
-            first = split_microbatches(batch, self.micro_batches)[0]
-            # what Lightning passes: batch_idx only if training_step takes it
-            takes_index = len(inspect.signature(module.training_step).parameters) > 1
-            arguments = (batch_idx,) if takes_index else ()
-            self.ensure_pipeline(self.capture("training_step", first, arguments))
-
     def ensure_pipeline(self, example_args: tuple[Any, ...]) -> Pipeline:
         """Build this rank's part of the pipeline (once) from one micro-batch's model input."""
         if self._pipeline is not None:
@@ -487,6 +478,7 @@ class PipelineStrategyBase(PipelineCheckpoints):
 
     @override
     def teardown(self) -> None:
+        self.remove_gradient_clipping()
         self._pipeline = None
         module = self.lightning_module
         if module is None or not is_deferred(module):

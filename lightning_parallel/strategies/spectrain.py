@@ -44,9 +44,7 @@ newest update whose total is known); by value is local. ``accumulate_grad_batche
 from __future__ import annotations
 
 import math
-import zlib
 from collections.abc import Sequence
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -59,109 +57,30 @@ from torch import Tensor, nn
 from torch.distributed.constants import default_pg_timeout as DEFAULT_TIMEOUT
 from typing_extensions import override
 
-from lightning_parallel.comm.devices import side_group, to_group
+from lightning_parallel.comm.devices import side_group
 from lightning_parallel.comm.ledger import process_ledger
 from lightning_parallel.compat import register_strategy
+from lightning_parallel.pipeline.assembly import Pipeline
 from lightning_parallel.pipeline.grad_sync import PartitionGradientSync
-from lightning_parallel.pipeline.microbatch import batch_size, split_microbatches
+from lightning_parallel.pipeline.microbatch import MicroBatchStep
 from lightning_parallel.pipeline.noflush import (
-    PREDICTION_MODES,
     LearningRateForecast,
     NoFlushPipeline,
     ScheduledLearningRate,
     default_prediction,
     make_weight_predictor,
 )
+from lightning_parallel.pipeline.noflush.mirror import (
+    AsyncMirror,
+    Mirrored,
+    publish_telemetry,
+    telemetry_figures,
+)
+from lightning_parallel.pipeline.noflush.options import check_options, stage_learning_rate_scale
 from lightning_parallel.pipeline.summary import LoggedValue, LogRecorder
 from lightning_parallel.strategies.pipeline_base import PipelineStrategyBase, patched
 
 __all__: list[str] = []
-
-_TELEMETRY = ("staleness", "prediction_error", "stale_error", "bubble")
-
-
-@dataclass
-class _Mirrored:
-    """What every rank of a pipeline learns from one step's exchange."""
-
-    loss: float
-    logged: list[LoggedValue]
-    telemetry: list[list[float]]  # per stage, the values of _TELEMETRY (nan: unknown)
-
-
-class _AsyncMirror:
-    """Carry the last stage's loss and logged values, and every stage's telemetry, to all
-    ranks of a pipeline with an asynchronous allreduce completed one step later.
-
-    Vector: ``[loss, schema fingerprint, value count, telemetry (4 per stage), values...]``;
-    each rank writes its own slots (zeros elsewhere), so the sum is a gather. The names and
-    options of the logged values travel once, by broadcast, when their fingerprint changes.
-    These are host values: ``group`` is a gloo group (:mod:`lightning_parallel.comm.devices`).
-    """
-
-    def __init__(
-        self, stages: int, stage: int, group: dist.ProcessGroup | None, source_rank: int
-    ) -> None:
-        self.stages, self.stage, self.group, self.source_rank = stages, stage, group, source_rank
-        self.capacity = 64
-        self._schema: list[tuple[str, dict[str, Any]]] = []
-        self._fingerprint = 0
-        self._pending: tuple[Any, Tensor, list[LoggedValue]] | None = None
-
-    @property
-    def last(self) -> bool:
-        return self.stage == self.stages - 1
-
-    def launch(
-        self, loss: float, logged: Sequence[LoggedValue], telemetry: Sequence[float]
-    ) -> None:
-        """Start the exchange of this step (every rank of the pipeline, once per step)."""
-        p = self.stages
-        vector = torch.zeros(3 + len(_TELEMETRY) * p + self.capacity, dtype=torch.float64)
-        if self.last:
-            schema = [(v.name, v.options) for v in logged]
-            vector[0] = loss
-            vector[1] = float(zlib.crc32(repr(schema).encode()) + 1)
-            vector[2] = float(len(logged))
-            for i, entry in enumerate(logged[: self.capacity]):
-                vector[3 + len(_TELEMETRY) * p + i] = entry.value
-        for i, figure in enumerate(telemetry):
-            vector[3 + i * p + self.stage] = figure
-        placed = to_group(vector, self.group)
-        work = dist.all_reduce(placed, group=self.group, async_op=True)
-        self._pending = (work, placed, list(logged))
-
-    def complete(self) -> _Mirrored | None:
-        """Finish the pending exchange (None if there is none)."""
-        if self._pending is None:
-            return None
-        work, placed, logged = self._pending
-        self._pending = None
-        work.wait()
-        vector = placed.tolist()
-        p, count = self.stages, int(vector[2])
-        values = vector[3 + len(_TELEMETRY) * p : 3 + len(_TELEMETRY) * p + count]
-        fingerprint = int(vector[1])
-        if fingerprint != self._fingerprint or count > self.capacity:
-            payload: list[Any] = [
-                ([(v.name, v.options) for v in logged], [v.value for v in logged])
-                if self.last
-                else None
-            ]
-            dist.broadcast_object_list(payload, src=self.source_rank, group=self.group)
-            self._schema, all_values = payload[0]
-            self._fingerprint = fingerprint
-            if count > self.capacity:
-                values = all_values
-        metrics = [v.metric for v in logged] if self.last else [None] * count
-        mirrored = [
-            LoggedValue(name, value, dict(options), metric)
-            for (name, options), value, metric in zip(self._schema, values, metrics)
-        ]
-        telemetry = [
-            [float(vector[3 + i * p + k]) for i in range(len(_TELEMETRY))] for k in range(p)
-        ]
-        return _Mirrored(float(vector[0]), mirrored, telemetry)
 
 
 class _DrainAtEpochEnd(Callback):
@@ -216,6 +135,7 @@ class SpecTrainStrategy(PipelineStrategyBase):
 
     strategy_name = "spectrain"
     reports_communication = True
+    step_activity = "no-flush pipeline"
 
     def __init__(
         self,
@@ -234,34 +154,9 @@ class SpecTrainStrategy(PipelineStrategyBase):
         timeout: timedelta | None = DEFAULT_TIMEOUT,
         **kwargs: Any,
     ) -> None:
-        if prediction is None:  # "none" parsed as None by config parsers (the benchmark's)
-            prediction = "none"
-        if prediction != "auto" and prediction not in PREDICTION_MODES:
-            raise ValueError(
-                f"prediction must be 'auto' or one of {PREDICTION_MODES}, got {prediction!r}"
-            )
-        if learning_rates not in ("schedule", "constant"):
-            raise ValueError(
-                f"learning_rates must be 'schedule' or 'constant', got {learning_rates!r}"
-            )
-        if direction not in ("auto", "smoothed_gradient", "momentum_buffer", "adam"):
-            raise ValueError(
-                "direction must be 'auto', 'smoothed_gradient', 'momentum_buffer' or 'adam', "
-                f"got {direction!r}"
-            )
-        if gamma is not None and not 0.0 <= gamma < 1.0:
-            raise ValueError(f"gamma must be in [0, 1), got {gamma}")
-        if learning_rate_scale is None or learning_rate_scale == "none":
-            learning_rate_scale = 1.0
-        if learning_rate_scale != "staleness" and (
-            isinstance(learning_rate_scale, str) or not 0.0 < float(learning_rate_scale) <= 1.0
-        ):
-            raise ValueError(
-                "learning_rate_scale must be 'staleness', 'none' or a factor in (0, 1], got "
-                f"{learning_rate_scale!r}"
-            )
-        if error_sample < 0:
-            raise ValueError(f"error_sample must be >= 0 (0 turns it off), got {error_sample}")
+        prediction, learning_rate_scale = check_options(
+            prediction, learning_rates, direction, gamma, learning_rate_scale, error_sample
+        )
         super().__init__(
             stages=stages,
             micro_batches=micro_batches,
@@ -278,9 +173,9 @@ class SpecTrainStrategy(PipelineStrategyBase):
         self.gamma = gamma
         self.learning_rate_scale = learning_rate_scale
         self.error_sample = error_sample
-        self.last_mirrored: _Mirrored | None = None
+        self.last_mirrored: Mirrored | None = None
         self._noflush: NoFlushPipeline | None = None
-        self._mirror: _AsyncMirror | None = None
+        self._mirror: AsyncMirror | None = None
         self._mirror_groups: list[dist.ProcessGroup] | None = None
         self._loaded_state: dict[str, Any] | None = None
         self._callback = _DrainAtEpochEnd(self)
@@ -332,7 +227,6 @@ class SpecTrainStrategy(PipelineStrategyBase):
         self._attach_callback()
         self._noflush = None
         self._mirror = None
-        setattr(self.precision_plugin, "clip_grad_by_norm", self._clip_grad_by_norm)  # noqa: B010
 
     @override
     def gradient_sync(self, parameters: list[nn.Parameter]) -> PartitionGradientSync | None:
@@ -340,8 +234,6 @@ class SpecTrainStrategy(PipelineStrategyBase):
 
     @override
     def teardown(self) -> None:
-        if "clip_grad_by_norm" in vars(self.precision_plugin):
-            delattr(self.precision_plugin, "clip_grad_by_norm")
         self._noflush = None
         self._mirror = None
         super().teardown()
@@ -358,12 +250,6 @@ class SpecTrainStrategy(PipelineStrategyBase):
         if config.interval == "epoch":
             per_step *= max(int(trainer.num_training_batches), 1)
         return ScheduledLearningRate(optimizer, config.scheduler, per_step)  # type: ignore[arg-type]
-
-    def _stage_learning_rate_scale(self, stage: int) -> float | str:
-        """The factor on stage ``stage``'s learning rate (a float applies to stale stages)."""
-        if self.learning_rate_scale == "staleness" or stage == self.stages - 1:
-            return "staleness"  # 1 on the last stage
-        return float(self.learning_rate_scale)
 
     def _ensure_noflush(self, count: int) -> NoFlushPipeline:
         if self._noflush is not None:
@@ -385,7 +271,7 @@ class SpecTrainStrategy(PipelineStrategyBase):
             gamma=self.gamma,
             learning_rates=self._forecast(optimizer, count),
             error_sample=self.error_sample or None,
-            learning_rate_scale=self._stage_learning_rate_scale(k),
+            learning_rate_scale=stage_learning_rate_scale(self.learning_rate_scale, k, self.stages),
         )
 
         def before_update(parameters: list[nn.Parameter]) -> None:
@@ -412,7 +298,7 @@ class SpecTrainStrategy(PipelineStrategyBase):
             self._noflush.load_state_dict(loaded["state"])
         if self.stages > 1:
             assert self._mirror_groups is not None
-            self._mirror = _AsyncMirror(
+            self._mirror = AsyncMirror(
                 self.stages,
                 k,
                 self._mirror_groups[self.group_index],
@@ -423,79 +309,56 @@ class SpecTrainStrategy(PipelineStrategyBase):
     # -- the training step ---------------------------------------------------------------------
 
     @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+    def feeds_pipeline(self) -> bool:
+        # one stage: the user's training_step calls the stage's forward itself
+        return self.stage_index == 0 and self.stages > 1
+
+    @override
+    def train_micro_batches(
+        self, pipeline: Pipeline, step: MicroBatchStep, inputs: list[tuple[Any, ...]] | None
+    ) -> float:
+        """Run the units through the no-flush runtime, then mirror the step's values."""
         module = self.lightning_module
         assert module is not None
-        trainer = module.trainer
-        batch, hook_args = args[0], args[1:]
-        self.set_activity(f"no-flush pipeline (stage {self.stage_index} of {self.stages})")
-        micro = split_microbatches(batch, self.micro_batches)
-        sizes = [batch_size(part) for part in micro]
-        total, count = sum(sizes), len(micro)
-        first, last = self.stage_index == 0, self.stage_index == self.stages - 1
-        inputs = None
-        if (first and not last) or self._pipeline is None:
-            parts = micro if first and not last else micro[:1]
-            inputs = [self.capture("training_step", part, hook_args) for part in parts]
-        self.ensure_pipeline(inputs[0] if inputs else ())
-        noflush = self._ensure_noflush(count)
+        last = self.stage_index == self.stages - 1
+        noflush = self._ensure_noflush(step.count)
         recorder = LogRecorder()
-        results: dict[int, Any] = {}
 
         def loss_fn(forward: Any, index: int) -> Tensor:
-            recorder.start_micro_batch(sizes[index] / total)
+            recorder.start_micro_batch(step.weight(index))
             with (
                 patched(self._body, "forward", lambda *a, **k: forward(*a)),
                 patched(module, "log", recorder.log),
             ):
-                result = module.training_step(micro[index], *hook_args)
-            results[index] = result
-            loss = result.get("loss") if isinstance(result, dict) else result
-            if not isinstance(loss, Tensor):
-                raise ValueError(
-                    "training_step must return the loss tensor (or a dict with 'loss') for every "
-                    "micro-batch under SpecTrainStrategy; skipping a step is not supported"
-                )
-            return loss
+                result = module.training_step(step.micro[index], *step.hook_args)
+            return step.loss_of(index, result, "SpecTrainStrategy")
 
         with self.precision_plugin.train_step_context():
             losses = noflush.step(
-                count,
-                inputs=inputs if first and not last else None,
+                step.count,
+                inputs=inputs if self.feeds_pipeline() else None,
                 loss_fn=loss_fn if last else None,
             )
-        loss = sum(float(v) * n / total for v, n in zip(losses, sizes)) if last else math.nan
+        total = step.total
+        loss = sum(float(v) * n / total for v, n in zip(losses, step.sizes)) if last else math.nan
         logged = recorder.combined() if last else []
         if last:
             self.replay(logged)
-        self._exchange(loss, logged, trainer)
+        self._exchange(loss, logged, module.trainer)
         self._keep_timeline()
         if not last:
             mirrored = self.last_mirrored.loss if self.last_mirrored is not None else 0.0
             loss = mirrored if math.isfinite(mirrored) else 0.0
-        loss_tensor = torch.tensor(loss, device=self.root_device)
-        result = results.get(count - 1)
-        if isinstance(result, dict):
-            return {**{k: v for k, v in result.items() if k != "loss"}, "loss": loss_tensor}
-        return loss_tensor
+        return loss
 
     def _exchange(self, loss: float, logged: list[LoggedValue], trainer: pl.Trainer) -> None:
         """Replay last step's mirrored values, then start this step's exchange."""
         assert self._noflush is not None
         telemetry = self._noflush.pop_telemetry()
-        mine = [
-            math.nan if v is None else float(v)
-            for v in (
-                telemetry.staleness_mean,
-                telemetry.prediction_error,
-                telemetry.stale_error,
-                telemetry.bubble_fraction,
-            )
-        ]
-        ledger = process_ledger()
-        ledger.set_gauge("weight_bytes_peak", float(telemetry.weight_bytes_peak))
+        mine = telemetry_figures(telemetry)
+        process_ledger().set_gauge("weight_bytes_peak", float(telemetry.weight_bytes_peak))
         if self._mirror is None:  # one stage: nothing to mirror
-            self._publish(_Mirrored(loss, logged, [mine]))
+            self._publish(Mirrored(loss, logged, [mine]))
             return
         last = self.stage_index == self.stages - 1
         self._complete(replay=not last)
@@ -513,25 +376,10 @@ class SpecTrainStrategy(PipelineStrategyBase):
             self.replay(mirrored.logged)
         self._publish(mirrored)
 
-    def _publish(self, mirrored: _Mirrored) -> None:
-        """Put each stage's staleness, prediction error and bubble in the ledger's gauges."""
+    def _publish(self, mirrored: Mirrored) -> None:
+        """Keep ``mirrored`` and put its telemetry in the ledger's gauges."""
         self.last_mirrored = mirrored
-        ledger = process_ledger()
-        means: dict[str, list[float]] = {name: [] for name in _TELEMETRY}
-        for stage, values in enumerate(mirrored.telemetry):
-            for name, value in zip(_TELEMETRY, values):
-                if math.isfinite(value):
-                    ledger.set_gauge(f"{name}_stage{stage}", value)
-                    if name != "prediction_error" or stage < self.stages - 1:
-                        means[name].append(value)
-        for name, key in (
-            ("staleness", "staleness_mean"),
-            ("prediction_error", "prediction_error"),
-            ("stale_error", "stale_error"),
-            ("bubble", "bubble_fraction"),
-        ):
-            if means[name]:
-                ledger.set_gauge(key, sum(means[name]) / len(means[name]))
+        publish_telemetry(mirrored, self.stages)
 
     def _keep_timeline(self) -> None:
         assert self._noflush is not None
@@ -556,14 +404,6 @@ class SpecTrainStrategy(PipelineStrategyBase):
         return self.prediction
 
     @override
-    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
-        """Nothing to do: the pipeline back-propagated and updated inside ``training_step``."""
-        module = self.lightning_module
-        assert module is not None
-        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
-        return self.precision_plugin.post_backward(closure_loss, module)
-
-    @override
     def optimizer_step(
         self,
         optimizer: Any,
@@ -574,21 +414,18 @@ class SpecTrainStrategy(PipelineStrategyBase):
         """Run the closure (``training_step``, which updates every unit); no extra step."""
         return closure()
 
-    def _clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
-        """``clip_grad_norm_`` with the runtime's estimate of the norm over all stages (exact
-        on stage 0; see :meth:`NoFlushPipeline._exchange_norms`), without a blocking collective:
-        Lightning broadcasts from rank 0 at every step, so a per-update allreduce across stages
-        that are at different updates would deadlock."""
+    @override
+    def gradient_norm(self, optimizer: Any) -> tuple[float, list[nn.Parameter]]:
+        """The runtime's estimate of the norm over all stages (exact on stage 0; see
+        :meth:`NoFlushPipeline._exchange_norms`), without a blocking collective: Lightning
+        broadcasts from rank 0 at every step, so a per-update allreduce across stages that are at
+        different updates would deadlock."""
         if self._noflush is None or not self._noflush.track_norms:
             raise RuntimeError(
                 "gradient clipping by norm was not announced to the pipeline; set "
                 "Trainer(gradient_clip_val=...) rather than clipping by norm from a hook"
             )
-        coefficient = float(clip_val) / (self._noflush.global_norm + 1e-6)
-        if coefficient < 1.0:
-            for parameter in self._noflush.parameters:
-                if parameter.grad is not None:
-                    parameter.grad.mul_(coefficient)
+        return self._noflush.global_norm, self._noflush.parameters
 
     # -- draining ------------------------------------------------------------------------------
 

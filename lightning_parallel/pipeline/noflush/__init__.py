@@ -13,6 +13,9 @@ Module by module:
 - ``stability``: :func:`staleness_learning_rate_scale`, the step a stale stage can take.
 - ``error``: :class:`PredictionErrorMeter`, how far the weights a forward used were off.
 - ``weights``: the ``Weights`` alias, byte counts and param-group lookup these modules share.
+- ``mirror``: :class:`~.mirror.AsyncMirror`, the last stage's loss and logged values and every
+  stage's telemetry carried to all ranks of a pipeline one step late, without blocking it.
+- ``options``: SpecTrain's options checked and normalized, and a stage's learning-rate factor.
 
 ``SpecTrainStrategy`` (in ``lightning_parallel.strategies``) drives it from Lightning's training
 loop; the pieces it shares with the flush pipeline (schedule tables, transport, timeline) live
