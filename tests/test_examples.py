@@ -143,6 +143,45 @@ def test_seeds_table_gives_means_ranges_and_ratios(tmp_path):
     assert plot.stat().st_size > 0
 
 
+def _faulted(tmp_path, spec, seed, acc, went_on, after, logged):
+    log = tmp_path / f"{spec}-{seed}.log"
+    log.write_text("".join(f"rank {r}: replica rank 2 was lost (no heartbeat)\n" for r in logged))
+    ranks = [
+        {"rank": r, "faulted": False, "went_on": went_on, "after_fault_s": after} for r in (0, 1)
+    ]
+    ranks.append({"rank": 2, "faulted": True, "went_on": False, "after_fault_s": 0.1})
+    run = _run(spec, 1e6, 8e6, None, acc)
+    run["extra"].update(
+        log=str(log), ranks=ranks, faults=[{"fault": "kill:2@35"}], survivors_within_bar=True
+    )
+    return run
+
+
+def test_fault_runs_table_compares_with_the_runs_without_the_fault(tmp_path):
+    clean = [_bench_json(tmp_path / f"c{s}.json", s, [_run("a:x=1", 1, 1, 1, 0.9)]) for s in (0, 1)]
+    faulted = [
+        _bench_json(
+            tmp_path / f"f{s}.json",
+            s,
+            [
+                _faulted(
+                    tmp_path, "a:x=1,worker_loss=continue", s, 0.88 + s / 100, True, None, [0, s]
+                ),
+                _faulted(tmp_path, "a:x=1,timeout=30", s, None, False, 3.0 + s, []),
+            ],
+        )
+        for s in (0, 1)
+    ]
+    stdout = _example(tmp_path, "fault_runs_table.py", "--clean", *clean, "--faulted", *faulted)
+    continued = "| `a:x=1,worker_loss=continue` | `kill:2@35` | 2/2 | 1/2 | 0.885 (0.880–0.890)"
+    assert continued in stdout  # in seed 0, rank 1 did not log it
+    assert "| 0.900 (0.900–0.900) | -1.5 | — | yes |" in stdout
+    assert (
+        "| `a:x=1,timeout=30` | `kill:2@35` | 0/2 | 0/2 | — | 0.900 (0.900–0.900) | — | 3.5"
+        in stdout
+    )
+
+
 @pytest.mark.slow
 def test_averaging_seeds_example_prints_the_accuracy(tmp_path):
     stdout = _example(

@@ -15,7 +15,8 @@ and added to the next buffer sent from the same residual, so that nothing is los
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -24,32 +25,49 @@ from torch import Tensor
 from lightning_parallel.averaging.quantize import BlockQuantizer
 from lightning_parallel.comm.devices import to_group
 from lightning_parallel.comm.groups import new_group
+from lightning_parallel.comm.survivors import Collective, Survivors
+from lightning_parallel.comm.tree import TreeAllReduce
+
+#: the lane of the survivors' collectives that averaging rounds use
+ROUNDS_LANE = "rounds"
 
 __all__: list[str] = []
 
 
 class _GatherWork:
-    """Gathers in flight; :meth:`wait` decodes them into the caller's buffers."""
+    """Gathers in flight; :meth:`wait` decodes them into the caller's buffers and returns the
+    number of ranks summed."""
 
     def __init__(
         self,
         quantizer: BlockQuantizer,
-        pending: list[tuple[Tensor, list[Tensor], dist.Work | None]],
+        pending: list[tuple[Tensor, Callable[[], list[Tensor]]]],
     ) -> None:
         self._quantizer = quantizer
-        self._pending = pending  # (buffer to fill, the W gathered payloads, the work)
+        self._pending = pending  # (buffer to fill, waits for and returns the gathered payloads)
+        self.count: int | None = None
 
-    def wait(self) -> None:
+    def wait(self) -> int | None:
         with torch.no_grad():
-            for buffer, payloads, work in self._pending:
-                if work is not None:
-                    work.wait()
+            for buffer, gathered in self._pending:
+                payloads = gathered()
                 total = torch.zeros(buffer.numel(), dtype=torch.float32, device=buffer.device)
                 for payload in payloads:  # rank order: the same sum on every rank
                     decoded = self._quantizer.decode(payload.to(buffer.device), buffer.numel())
                     total += decoded
                 buffer.copy_(total.view_as(buffer))
+                self.count = len(payloads)
         self._pending = []
+        return self.count
+
+
+def _gathered(payloads: list[Tensor], work: dist.Work | None) -> Callable[[], list[Tensor]]:
+    def wait() -> list[Tensor]:
+        if work is not None:
+            work.wait()
+        return payloads
+
+    return wait
 
 
 class QuantizedAllGather:
@@ -60,9 +78,12 @@ class QuantizedAllGather:
 
     Args:
         quantizer: the code (``BlockQuantizer("int8")``, ``"int4"``, ``"bf16"``).
+        survivors: gather as agreed collectives on the survivors' rounds lane (a lost rank's
+            gather is repeated over the survivors; :mod:`~lightning_parallel.comm.survivors`);
+            ``None``: plain gathers over every rank.
     """
 
-    def __init__(self, quantizer: BlockQuantizer) -> None:
+    def __init__(self, quantizer: BlockQuantizer, survivors: Survivors | None = None) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "QuantizedAllGather needs an initialised default process group; call "
@@ -71,11 +92,12 @@ class QuantizedAllGather:
         self.quantizer = quantizer
         self._world_size = dist.get_world_size()
         self.group = new_group(list(range(self._world_size)))
+        self.survivors = survivors
 
     @property
     def world_size(self) -> int:
         """Ranks taking part."""
-        return self._world_size
+        return self._world_size if self.survivors is None else len(self.survivors.members)
 
     def all_reduce(
         self,
@@ -104,16 +126,31 @@ class QuantizedAllGather:
                 payload = self.quantizer.encode(value)
                 if residuals is not None:
                     residual.copy_(value - self.quantizer.decode(payload, value.numel()))
+                if self.survivors is not None:
+                    agreed = self.survivors.run(ROUNDS_LANE, self._gather_over(payload))
+                    pending.append((tensor, agreed.wait))
+                    continue
                 placed = to_group(payload, self.group)
                 gathered = [torch.empty_like(placed) for _ in range(self._world_size)]
                 work = dist.all_gather(gathered, placed, group=self.group, async_op=async_op)
-                pending.append((tensor, gathered, work))
+                pending.append((tensor, _gathered(gathered, work)))
         result = _GatherWork(self.quantizer, pending)
         if not async_op:
             result.wait()
         return result
 
+    def _gather_over(self, payload: Tensor) -> Collective[list[Tensor]]:
+        def gather(group: Any, members: list[int]) -> list[Tensor]:
+            # before a loss the rounds lane may be the tree (groups of its own): use ours
+            group = self.group if isinstance(group, TreeAllReduce) else group
+            placed = to_group(payload, group)
+            gathered = [torch.empty_like(placed) for _ in members]
+            dist.all_gather(gathered, placed, group=group)
+            return gathered
+
+        return gather
+
     def bytes_sent(self, tensors: Sequence[Tensor]) -> float:
         """Bytes this rank sends to sum ``tensors`` (ring all-gather of the payloads)."""
         payload = sum(self.quantizer.payload_nbytes(tensor.numel()) for tensor in tensors)
-        return float((self._world_size - 1) * payload)
+        return float((self.world_size - 1) * payload)

@@ -20,9 +20,11 @@ REDUCE_KINDS: tuple[str, ...] = ("flat", "tree")
 
 
 class ReductionWork(Protocol):
-    """A reduction in flight; ``wait()`` returns when the buffers hold the sums."""
+    """A reduction in flight; ``wait()`` returns when the buffers hold the sums (and may return
+    the number of ranks they sum, where that can be fewer than the reduction's world size:
+    :func:`counted`)."""
 
-    def wait(self) -> None: ...
+    def wait(self) -> int | None: ...
 
 
 class Reduction(Protocol):
@@ -93,6 +95,12 @@ class FlatAllReduce:
         """Bytes this rank sends for a payload of ``nbytes`` (ring allreduce)."""
         world = self._world_size
         return 2.0 * (world - 1) / world * nbytes if world > 1 else 0.0
+
+
+def counted(work: ReductionWork, default: int) -> int:
+    """Wait for ``work``; the number of ranks its sums hold (``default`` unless it says)."""
+    count = work.wait()
+    return count if isinstance(count, int) else default
 
 
 def build_reduction(kind: str, ranks_per_host: int | None = None) -> Reduction:

@@ -15,7 +15,7 @@ from lightning_parallel.averaging.averager import Averager
 from lightning_parallel.averaging.flat import FlatLayout
 from lightning_parallel.averaging.fragments import Fragment
 from lightning_parallel.averaging.policies import round_buffers, trainable_parameters
-from lightning_parallel.averaging.reduction import Reduction
+from lightning_parallel.averaging.reduction import Reduction, counted
 from lightning_parallel.averaging.rounds import Agreement, Round
 from lightning_parallel.averaging.schedule import AveragingSchedule
 from lightning_parallel.comm.devices import to_group
@@ -120,10 +120,10 @@ class ReplicaState:
         ]
         layout = FlatLayout(grads)
         flat = layout.pack(grads)
-        self.reduction.all_reduce(flat).wait()
+        ranks = counted(self.reduction.all_reduce(flat), self.world_size)
         with torch.no_grad():
             for buffer in flat:
-                buffer.div_(self.world_size)
+                buffer.div_(ranks)
             for parameter, mean in zip(params, layout.unpack(flat), strict=True):
                 if parameter.grad is None:
                     parameter.grad = mean.clone()
@@ -138,9 +138,9 @@ class ReplicaState:
         flat = layout.pack(tensors)
         if self.world_size > 1:
             self._wait_in_flight()
-            self.reduction.all_reduce(flat).wait()
+            ranks = counted(self.reduction.all_reduce(flat), self.world_size)
             for buffer in flat:
-                buffer.div_(self.world_size)
+                buffer.div_(ranks)
         return layout.unpack(flat)
 
     def _wait_in_flight(self) -> None:

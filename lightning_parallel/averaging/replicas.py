@@ -338,14 +338,15 @@ class ReplicaAveraging(ReplicaState):
         index, count = current.fragment, current.num_parameters
         agreement = self.agreements[index]
         with torch.no_grad():
-            for buffer in current.sums:
-                buffer.div_(self.world_size)
+            for buffer in current.sums:  # the ranks summed: fewer once a replica was lost
+                buffer.div_(current.ranks or self.world_size)
             mean = current.layout.unpack(current.sums)
             if current.parameter_means is not None:
                 mean = current.parameter_means + mean
             elif current.delta is not None:
                 assert agreement is not None
-                mean = add_mean_delta(agreement.anchor, current.delta, self.world_size) + mean
+                ranks = current.delta_ranks or self.world_size
+                mean = add_mean_delta(agreement.anchor, current.delta, ranks) + mean
             local_parameters = current.snapshot[:count]
             mean_parameters = mean[:count]
             squared = sum(

@@ -11,7 +11,7 @@ from torch import Tensor
 
 from lightning_parallel.averaging.averager import move_all
 from lightning_parallel.averaging.flat import FlatLayout
-from lightning_parallel.averaging.reduction import ReductionWork
+from lightning_parallel.averaging.reduction import ReductionWork, counted
 
 __all__: list[str] = []
 
@@ -40,14 +40,16 @@ class Round:
     delta_work: ReductionWork | None = None
     blocked_seconds: float = 0.0  # time training waited for this round so far
     parameter_means: list[Tensor] | None = None  # set when ``parameter_mean`` averaged them
+    ranks: int | None = None  # ranks the sums hold, where fewer than the world (a lost rank)
+    delta_ranks: int | None = None  # the same for ``delta``
 
     def wait(self) -> None:
         """Complete the round's communication (its result is applied later, on schedule)."""
         if self.work is not None:
-            self.work.wait()
+            self.ranks = counted(self.work, 0) or None
             self.work = None
         if self.delta_work is not None:
-            self.delta_work.wait()
+            self.delta_ranks = counted(self.delta_work, 0) or None
             self.delta_work = None
 
     def state_dict(self) -> dict[str, Any]:

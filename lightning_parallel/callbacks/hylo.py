@@ -31,6 +31,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_parallel.averaging.policies import trainable_parameters
 from lightning_parallel.averaging.replicas import ReplicaAveraging
+from lightning_parallel.averaging.survivor_reduction import SurvivorAllReduce
 from lightning_parallel.comm.ledger import process_ledger
 from lightning_parallel.compat import check
 from lightning_parallel.compat.private import state_key as compat_state_key
@@ -221,6 +222,11 @@ class HyloCompression(Callback):
         elif previous is not None:  # a second fit with the same callback continues the state
             self.hook.load_state_dict(previous, trainer.strategy.root_device)
         if isinstance(averaging, ReplicaAveraging):
+            if isinstance(averaging.reduction, SurvivorAllReduce):
+                raise ValueError(
+                    "HyloCompression averages the replicas' deltas with collectives of its own, "
+                    "which do not go on without a lost replica; use worker_loss='stop' with it"
+                )
             anchor = self.delta_mean.state_dict() if self.delta_mean is not None else None
             self.delta_mean = CompressedDeltaMean(self.hook, trainable_parameters(pl_module))
             if self._pending_anchor is not None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -195,3 +196,61 @@ class Liveness:
         if "error" in result:
             text += f" (the store said: {str(result['error']).splitlines()[0][:160]})"
         return Diagnosis({}, True, text)
+
+
+class Watchdog:
+    """Call ``on_silent(rank)`` for a watched rank whose heartbeat stalls for ``timeout`` s.
+
+    Args:
+        store: the store the heartbeats write to.
+        watched: returns the ranks to watch now (workers that left are not watched).
+        timeout: seconds of silence that count as a failure.
+        on_silent: called once per silent rank, from the watchdog's thread.
+    """
+
+    def __init__(
+        self,
+        store: dist.Store,
+        watched: Callable[[], Iterable[int]],
+        timeout: float,
+        on_silent: Callable[[int, float], None],
+    ) -> None:
+        self._store = store
+        self._watched = watched
+        self._timeout = timeout
+        self._on_silent = on_silent
+        self._stop = threading.Event()
+        self._seen: dict[int, tuple[int, float]] = {}
+        self._reported: set[int] = set()
+        self._thread = threading.Thread(target=self._run, name="lp-watchdog", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(min(1.0, self._timeout / 4)):
+            now = time.monotonic()
+            for rank in self._watched():
+                if rank in self._reported:
+                    continue
+                try:
+                    count = int(self._store.add(f"beat/{rank}", 0))
+                except Exception as error:
+                    log.warning(
+                        "watchdog stopped, the store does not answer (rank 0's "
+                        "host failed or this host lost its link); collectives still end after "
+                        "the run's timeout: %s",
+                        error,
+                    )
+                    return
+                last = self._seen.get(rank)
+                if last is None or count != last[0]:
+                    self._seen[rank] = (count, now)
+                elif now - last[1] > self._timeout:
+                    self._reported.add(rank)
+                    self._on_silent(rank, now - last[1])
+
+    def stop(self, wait: bool = True) -> None:
+        """Stop the thread; ``wait=False`` (after a failure) leaves it to die with the process
+        (it may be blocked on a store whose host is gone)."""
+        self._stop.set()
+        if wait and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5.0)

@@ -7,8 +7,9 @@ Two signals, both naming the rank:
    raises in that thread at once ("Connection closed by peer").
 2. **Silence.** A worker that is alive but frozen (stopped, swapped out, cut off) keeps its
    sockets open. Every rank runs a :class:`Heartbeat` that increments a counter in the
-   process group's key-value store every ``timeout / 4`` seconds; a shard host's
-   :class:`Watchdog` declares a worker failed when its counter has not moved for ``timeout``.
+   process group's key-value store every ``timeout / 4`` seconds; a shard host's watchdog
+   (:class:`~lightning_parallel.comm.liveness.Watchdog`) declares a worker failed when its
+   counter has not moved for ``timeout``.
 
 The shard then answers every waiting and every later request with ``ABORT``; each worker
 raises :class:`WorkerFailure` naming the failed rank.
@@ -18,8 +19,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
-from collections.abc import Callable, Iterable
 
 import torch.distributed as dist
 
@@ -77,64 +76,6 @@ class Heartbeat:
                     error,
                 )
                 return
-
-    def stop(self, wait: bool = True) -> None:
-        """Stop the thread; ``wait=False`` (after a failure) leaves it to die with the process
-        (it may be blocked on a store whose host is gone)."""
-        self._stop.set()
-        if wait and self._thread is not threading.current_thread():
-            self._thread.join(timeout=5.0)
-
-
-class Watchdog:
-    """Call ``on_silent(rank)`` for a watched rank whose heartbeat stalls for ``timeout`` s.
-
-    Args:
-        store: the store the heartbeats write to.
-        watched: returns the ranks to watch now (workers that left are not watched).
-        timeout: seconds of silence that count as a failure.
-        on_silent: called once per silent rank, from the watchdog's thread.
-    """
-
-    def __init__(
-        self,
-        store: dist.Store,
-        watched: Callable[[], Iterable[int]],
-        timeout: float,
-        on_silent: Callable[[int, float], None],
-    ) -> None:
-        self._store = store
-        self._watched = watched
-        self._timeout = timeout
-        self._on_silent = on_silent
-        self._stop = threading.Event()
-        self._seen: dict[int, tuple[int, float]] = {}
-        self._reported: set[int] = set()
-        self._thread = threading.Thread(target=self._run, name="ps-watchdog", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(min(1.0, self._timeout / 4)):
-            now = time.monotonic()
-            for rank in self._watched():
-                if rank in self._reported:
-                    continue
-                try:
-                    count = int(self._store.add(_key(rank), 0))
-                except Exception as error:
-                    log.warning(
-                        "parameter-server watchdog stopped, the store does not answer (rank 0's "
-                        "host failed or this host lost its link); collectives still end after "
-                        "the run's timeout: %s",
-                        error,
-                    )
-                    return
-                last = self._seen.get(rank)
-                if last is None or count != last[0]:
-                    self._seen[rank] = (count, now)
-                elif now - last[1] > self._timeout:
-                    self._reported.add(rank)
-                    self._on_silent(rank, now - last[1])
 
     def stop(self, wait: bool = True) -> None:
         """Stop the thread; ``wait=False`` (after a failure) leaves it to die with the process

@@ -32,10 +32,11 @@ from torch.distributed import distributed_c10d as c10d
 from torch.optim import Optimizer
 
 from lightning_parallel.comm.devices import side_group
+from lightning_parallel.comm.liveness import Watchdog
 from lightning_parallel.optimizers import rebuild_optimizer
 from lightning_parallel.parameter_server.budget import EpochBudget
 from lightning_parallel.parameter_server.client import ParameterClient
-from lightning_parallel.parameter_server.faults import Heartbeat, Watchdog, heartbeat_store
+from lightning_parallel.parameter_server.faults import Heartbeat, heartbeat_store
 from lightning_parallel.parameter_server.host import ShardHost
 from lightning_parallel.parameter_server.layout import ShardLayout
 from lightning_parallel.parameter_server.policies import UpdatePolicy

@@ -20,7 +20,7 @@ from typing_extensions import override
 from lightning_parallel.averaging import ReplicaAveraging, replica_files
 from lightning_parallel.compat.types import StrPath
 from lightning_parallel.strategies.averaging_options import resume_mismatch
-from lightning_parallel.strategies.base import ParallelStrategyBase
+from lightning_parallel.strategies.worker_loss import SurvivorCollectives
 
 __all__: list[str] = []
 
@@ -28,7 +28,7 @@ __all__: list[str] = []
 CHECKPOINT_KEY = "model_averaging"
 
 
-class AveragingCheckpoints(ParallelStrategyBase):
+class AveragingCheckpoints(SurvivorCollectives):
     """Save and restore the state of :attr:`averaging` with Lightning's checkpoints."""
 
     averaging: ReplicaAveraging | None = None
@@ -67,15 +67,19 @@ class AveragingCheckpoints(ParallelStrategyBase):
         if not replica_files.supports(filepath):
             # a URL (s3://...): the replicas travel in the checkpoint, gathered on rank 0
             gathered: list[Any] | None = [local]
-            if averaging.world_size > 1:
+            if self.survivors is not None:
+                gathered = self.gather_objects(local)
+            elif averaging.world_size > 1:
                 gathered = [None] * averaging.world_size if self.is_global_zero else None
                 dist.gather_object(local, gathered, dst=0)
             checkpoint[CHECKPOINT_KEY] = {"format": 1, **state, "replicas": gathered}
             super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
             return
         save_id = f"step{averaging.schedule.optimizer_steps}"
+        # by place among the ranks in the run: after a lost replica, a run of the survivors'
+        # size resumes exactly
         replica_files.save_replica(
-            local, replica_files.replica_path(filepath, save_id, self.global_rank)
+            local, replica_files.replica_path(filepath, save_id, self.member_index())
         )
         self.barrier(
             "model_averaging.save_replicas"

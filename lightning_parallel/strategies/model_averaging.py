@@ -33,7 +33,13 @@ What it guarantees, where Lightning's ``model_averaging_period`` and torch's
    bf16, int8 or int4 (Streaming DiLoCo, Douillard et al., arXiv 2501.18512);
 6. each round sets the gauges ``rounds``, ``divergence`` (``‖x_i − x̄‖`` before averaging),
    ``bytes_per_round``, ``peak_round_bytes`` and ``round_wait_s`` in the process ledger, which
-   ``CommStats`` logs.
+   ``CommStats`` logs;
+7. a lost replica (killed, frozen, cut off; not rank 0) ends the run on every rank with an
+   error naming it (``worker_loss="stop"``, the default), or is dropped
+   (``worker_loss="continue"``): every collective is agreed by the survivors through the
+   rendezvous store, one a lost rank left unfinished runs again among them
+   (:mod:`lightning_parallel.comm.survivors`), and rounds, Lightning's collectives,
+   ``torchmetrics`` and checkpoints go on over the survivors (gauge ``workers_lost``).
 
 Registered names: ``model_averaging`` and ``local_sgd`` (periodic, ``period=8``), ``bmuf``
 (Nesterov block momentum 0.5 with block learning rate 0.5, ``period=8``), ``easgd``
@@ -58,6 +64,7 @@ from datetime import timedelta
 from typing import Any, Literal
 
 import pytorch_lightning as pl
+import torch.distributed as dist
 from pytorch_lightning.trainer.states import TrainerFn
 from torch.distributed.constants import default_pg_timeout as DEFAULT_TIMEOUT
 from torch.nn import Module
@@ -81,8 +88,9 @@ from lightning_parallel.averaging.policies import (
     check_choice,
 )
 from lightning_parallel.averaging.quantize import BlockQuantizer
-from lightning_parallel.averaging.quantized_gather import QuantizedAllGather
+from lightning_parallel.averaging.quantized_gather import ROUNDS_LANE, QuantizedAllGather
 from lightning_parallel.averaging.reduction import REDUCE_KINDS
+from lightning_parallel.averaging.survivor_reduction import SurvivorAllReduce, rounds_lane
 from lightning_parallel.comm.modules import broadcast_module_states, optimizers_to_device
 from lightning_parallel.comm.tree import ranks_per_host_from_environment
 from lightning_parallel.compat import register_strategy
@@ -100,6 +108,7 @@ from lightning_parallel.strategies.averaging_options import (
     optional_int,
     streaming_options,
 )
+from lightning_parallel.strategies.worker_loss import heartbeat_seconds, resolve_worker_loss
 
 __all__ = ["ModelAveragingStrategy"]
 
@@ -160,6 +169,18 @@ class ModelAveragingStrategy(AveragingCheckpoints):
             restart point: DiLoCo's global model), with no communication at all; fragmented,
             those points are from different steps, and validated worse (docs: Streaming
             rounds).
+        worker_loss: what a lost replica (killed, frozen, cut off; not rank 0, which hosts the
+            rendezvous store) does to the run: ``"stop"`` (default) ends it on every rank after
+            ``timeout``, with an error naming the rank; ``"continue"`` drops it: rank 0 declares
+            it lost after ``heartbeat_timeout`` s of silence, every survivor logs it, the round
+            or collective it left unfinished runs again over the survivors, and rounds,
+            Lightning's collectives, ``torchmetrics`` and checkpoints go on among them (its
+            shard of the data is no longer trained or validated). ``"stop"`` is the default
+            because ``"continue"`` changes what the run computes (fewer replicas, less data) and
+            every collective then pays an agreement through the store (a few milliseconds);
+            ``"continue"`` needs a gloo default group.
+        heartbeat_timeout: seconds of heartbeat silence after which a replica is lost with
+            ``worker_loss="continue"`` (default: half of ``timeout``, at most 60).
         ranks_per_host: processes per host for ``reduce="tree"``; default ``LOCAL_WORLD_SIZE``,
             else the trainer's ``devices``.
         block_momentum: BMUF's ``η`` (default 0.5; the paper's ``1 − 1/M`` is 0.5 for 2
@@ -209,6 +230,8 @@ class ModelAveragingStrategy(AveragingCheckpoints):
         fragment_update_alpha: float | str | None = None,
         outer_dtype: Literal["fp32", "bf16", "int8", "int4"] = "fp32",
         outer_error_feedback: bool | str = False,
+        worker_loss: Literal["stop", "continue"] = "stop",
+        heartbeat_timeout: float | str | None = None,
         ranks_per_host: int | str | None = None,
         block_momentum: float | str | None = None,
         block_learning_rate: float | str | None = None,
@@ -276,6 +299,11 @@ class ModelAveragingStrategy(AveragingCheckpoints):
         self.before_validation = check_choice(
             "before_validation", before_validation, VALIDATION_POLICIES
         )
+        backend = str(kwargs.get("process_group_backend"))
+        self.worker_loss = resolve_worker_loss(worker_loss, backend, default="stop")
+        self.fault_timeout = heartbeat_seconds(
+            heartbeat_timeout, self.collective_timeout.total_seconds()
+        )
         self.ranks_per_host = optional_int("ranks_per_host", ranks_per_host)
         if self.ranks_per_host is not None and self.ranks_per_host < 1:
             raise ValueError(f"ranks_per_host must be positive, got {self.ranks_per_host}")
@@ -310,28 +338,34 @@ class ModelAveragingStrategy(AveragingCheckpoints):
         self.setup_precision_plugin()
         if fitting:
             optimizers_to_device(self.optimizers, self.root_device)
-            self.averaging = self._build_averaging()
+            self.averaging = self._build_averaging(trainer)
             self.averaging.broadcast_replicas(src=0)
 
-    def _build_averaging(self) -> ReplicaAveraging:
+    def _build_averaging(self, trainer: pl.Trainer) -> ReplicaAveraging:
         assert self.lightning_module is not None
         ranks_per_host = self.ranks_per_host
         if ranks_per_host is None and self.reduce_kind == "tree":
             ranks_per_host = ranks_per_host_from_environment() or self.num_processes
+        reduction = build_reduction(self.reduce_kind, ranks_per_host)
+        survivors = None
+        if self.worker_loss == "continue" and self.world_size > 1:
+            resolve_worker_loss("continue", dist.get_backend())  # the group's real backend
+            lanes = {ROUNDS_LANE: rounds_lane(reduction)}
+            survivors = self.start_survivors(trainer, lanes, self.fault_timeout, "replica")
+            reduction = SurvivorAllReduce(survivors, reduction)
+        quantizer = None if self.outer_dtype == "fp32" else BlockQuantizer(self.outer_dtype)
         return ReplicaAveraging(
             module=self.lightning_module,
             optimizers=self.optimizers,
             averager=self._make_averager(),
             schedule=AveragingSchedule(self.period, self.warmup_steps),
-            reduction=build_reduction(self.reduce_kind, ranks_per_host),
+            reduction=reduction,
             buffers=self.buffer_policy,
             optimizer_state=self.optimizer_state_policy,
             fragments=self.fragments,
             sync_delay=self.sync_delay,
             fragment_update_alpha=self.fragment_update_alpha,
-            quantized=None
-            if self.outer_dtype == "fp32"
-            else QuantizedAllGather(BlockQuantizer(self.outer_dtype)),
+            quantized=None if quantizer is None else QuantizedAllGather(quantizer, survivors),
             error_feedback=self.outer_error_feedback,
             keep_agreement=self.before_validation == "global",
         )

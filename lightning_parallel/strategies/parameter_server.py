@@ -52,7 +52,6 @@ import torch
 import torch.distributed as dist
 from pytorch_lightning.callbacks import Callback, ModelCheckpoint, Timer
 from pytorch_lightning.trainer.states import RunningStage, TrainerFn
-from pytorch_lightning.utilities.exceptions import SIGTERMException
 from pytorch_lightning.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.distributed import ReduceOp
@@ -81,32 +80,17 @@ from lightning_parallel.parameter_server.protocol import parse_wire_dtype
 from lightning_parallel.parameter_server.runtime import ParameterServerRuntime, check_overlap
 from lightning_parallel.strategies.arguments import as_bool
 from lightning_parallel.strategies.base import ParallelStrategyBase
+from lightning_parallel.strategies.worker_loss import (
+    heartbeat_seconds,
+    local_sigterm,
+    resolve_worker_loss,
+)
 
 __all__: list[str] = []
 
 log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
-
-
-_CONTINUE_NEEDS_GLOO = (
-    "worker_loss='continue' needs a gloo default process group: an NCCL communicator does not "
-    "survive a lost peer, so Lightning's collectives could not go on among the survivors; use "
-    "worker_loss='stop' (the default over NCCL) or process_group_backend='gloo'"
-)
-
-
-def resolve_worker_loss(setting: str | None, backend: str) -> str:
-    """``setting``, or the default for the default group's ``backend``: ``"stop"`` where NCCL
-    carries it (``"nccl"``, ``"cpu:gloo,cuda:nccl"``), else ``"continue"``.
-
-    Raises:
-        ValueError: ``"continue"`` asked for over NCCL.
-    """
-    nccl = "nccl" in str(backend)
-    if setting == "continue" and nccl:
-        raise ValueError(_CONTINUE_NEEDS_GLOO)
-    return setting or ("stop" if nccl else "continue")
 
 
 class ParameterServerStrategy(ParallelStrategyBase):
@@ -200,14 +184,8 @@ class ParameterServerStrategy(ParallelStrategyBase):
             raise ValueError(f"server_rank must be a global rank >= 0, got {server_rank!r}")
         if int(shards) != shards or shards < 1:
             raise ValueError(f"shards must be an integer >= 1, got {shards!r}")
-        if worker_loss not in ("continue", "stop", None):
-            raise ValueError(f"worker_loss must be 'continue' or 'stop', got {worker_loss!r}")
         # an explicit NCCL backend refuses "continue" now; otherwise setup resolves the default
         resolve_worker_loss(worker_loss, str(kwargs.get("process_group_backend")))
-        if heartbeat_timeout is not None and (
-            isinstance(heartbeat_timeout, bool) or not float(heartbeat_timeout) > 0
-        ):
-            raise ValueError(f"heartbeat_timeout must be > 0 seconds, got {heartbeat_timeout!r}")
         super().__init__(
             start_method=start_method,
             timeout=timeout,
@@ -217,17 +195,9 @@ class ParameterServerStrategy(ParallelStrategyBase):
         self.shards = int(shards)
         self.worker_loss_setting = worker_loss
         self.worker_loss: str = worker_loss or "continue"  # resolved at setup (the backend)
-        limit = self.collective_timeout.total_seconds()
-        if heartbeat_timeout is None:
-            heartbeat_timeout = min(60.0, limit / 2)
-        elif float(heartbeat_timeout) >= limit:
-            raise ValueError(
-                f"heartbeat_timeout={heartbeat_timeout!r} s must be shorter than timeout "
-                f"({limit:g} s): a frozen worker must be declared lost before the other "
-                f"workers' transfers time out; use heartbeat_timeout={limit / 2:g} or raise "
-                "timeout"
-            )
-        self.fault_timeout = float(heartbeat_timeout)
+        self.fault_timeout = heartbeat_seconds(
+            heartbeat_timeout, self.collective_timeout.total_seconds()
+        )
         self.runtime: ParameterServerRuntime | None = None
         self._asynchronous = False
         self._skipped = False
@@ -330,7 +300,7 @@ class ParameterServerStrategy(ParallelStrategyBase):
             self._restore.append(lambda: setattr(trainer, "limit_train_batches", limit))
         # Lightning broadcasts a SIGTERM flag from rank 0 before every training batch, which
         # would put the workers back in lockstep; each rank checks its own signal instead.
-        self._restore.append(replace_sigterm_broadcast(trainer, lambda: _local_sigterm(trainer)))
+        self._restore.append(replace_sigterm_broadcast(trainer, lambda: local_sigterm(trainer)))
         self.runtime = ParameterServerRuntime(
             self.optimizers[0],
             self.policy,
@@ -683,11 +653,6 @@ class ParameterServerStrategy(ParallelStrategyBase):
         while self._restore:
             self._restore.pop()()
         super().teardown()
-
-
-def _local_sigterm(trainer: pl.Trainer) -> None:
-    if getattr(trainer, "received_sigterm", False):
-        raise SIGTERMException()
 
 
 class _ParameterServerHooks(Callback):

@@ -65,6 +65,18 @@ def _strategy(family: str, where: dict[str, Any]) -> tuple[Any, dict[str, Any], 
         from lightning_parallel.strategies.model_averaging import ModelAveragingStrategy
 
         return ModelAveragingStrategy(period=2, overlap=True, **common), {}, []
+    if family == "diloco_streaming_int8":  # fragments, a delayed round, quantized deltas
+        from lightning_parallel.strategies.model_averaging import ModelAveragingStrategy
+
+        streaming = {"fragments": 2, "sync_delay": 1, "outer_dtype": "int8"}
+        return ModelAveragingStrategy("diloco", period=2, **streaming, **common), {}, []
+    if family == "diloco_continue":  # every collective agreed on the survivors' lanes
+        from lightning_parallel.strategies.model_averaging import ModelAveragingStrategy
+
+        if where["process_group_backend"] == "nccl":
+            pytest.skip("worker_loss='continue' needs a gloo default group")
+        loss = {"worker_loss": "continue", "heartbeat_timeout": 10.0}
+        return ModelAveragingStrategy("diloco", period=2, **loss, **common), {}, []
     if family.startswith("preset:"):  # model_averaging and its registered presets
         entry = StrategyRegistry[family.removeprefix("preset:")]
         options = {**entry["init_params"], "period": 2, **common}
@@ -82,6 +94,8 @@ FAMILIES = [
     "preset:bmuf",
     "preset:easgd",
     "preset:diloco",
+    "diloco_streaming_int8",
+    "diloco_continue",
     "parameter_server",
     "gropipe",
     "spectrain",
@@ -133,7 +147,14 @@ def test_gpu_fit(family: str, tmp_path: Path) -> None:
     assert math.isfinite(float(trainer.callback_metrics["val_loss"]))
 
 
-RESUMED = ["preset:bmuf", "preset:easgd", "preset:diloco", "model_averaging_overlap", "hylo"]
+RESUMED = [
+    "preset:bmuf",
+    "preset:easgd",
+    "preset:diloco",
+    "model_averaging_overlap",
+    "diloco_streaming_int8",
+    "hylo",
+]
 
 
 @pytest.mark.parametrize("family", RESUMED)
