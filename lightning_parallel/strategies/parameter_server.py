@@ -31,6 +31,13 @@ and on one device. How a step goes:
    epoch's training (during validation or a checkpoint), rank 0 or a shard host ends the run
    on every rank with an error naming it.
 
+The strategy is thin: the server, its client, the epoch budget and the survivors of a lost
+worker (:mod:`~lightning_parallel.parameter_server.survivors`) are plain torch; its base
+:class:`~lightning_parallel.strategies.parameter_server_collectives.ParameterServerCollectives`
+routes Lightning's collectives (steps 4 and 5), and
+:mod:`~lightning_parallel.strategies.parameter_server_fit` holds the configurations a fit
+refuses and the epoch hooks that drain.
+
 Example::
 
     trainer = Trainer(accelerator="cpu", devices=4, max_epochs=3,
@@ -39,47 +46,35 @@ Example::
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import logging
-import time
 from collections.abc import Callable, Mapping
 from datetime import timedelta
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
 import pytorch_lightning as pl
 import torch
 import torch.distributed as dist
-from pytorch_lightning.callbacks import Callback, ModelCheckpoint, Timer
+from pytorch_lightning.callbacks import Callback
 from pytorch_lightning.trainer.states import RunningStage, TrainerFn
-from pytorch_lightning.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
-from torch.distributed import ReduceOp
 from torch.optim import Optimizer
 from torchmetrics import Metric
-from torchmetrics.utilities.distributed import gather_all_tensors
 from typing_extensions import override
 
-from lightning_parallel.comm.devices import all_reduce_
-from lightning_parallel.comm.groups import new_group
 from lightning_parallel.comm.ledger import process_ledger
-from lightning_parallel.comm.liveness import is_communication_error
 from lightning_parallel.comm.modules import broadcast_module_states
 from lightning_parallel.compat import register_strategy
-from lightning_parallel.compat.private import (
-    fit_loop_data,
-    replace_sigterm_broadcast,
-    saves_inside_epoch,
-    stops_on_step_timer,
-)
+from lightning_parallel.compat.private import replace_sigterm_broadcast
 from lightning_parallel.compat.types import StrPath
 from lightning_parallel.parameter_server.data import BudgetedLoader
 from lightning_parallel.parameter_server.faults import WorkerFailure
 from lightning_parallel.parameter_server.policies import UpdatePolicy
 from lightning_parallel.parameter_server.protocol import parse_wire_dtype
 from lightning_parallel.parameter_server.runtime import ParameterServerRuntime, check_overlap
+from lightning_parallel.parameter_server.survivors import LostWorkers
 from lightning_parallel.strategies.arguments import as_bool
-from lightning_parallel.strategies.base import ParallelStrategyBase
+from lightning_parallel.strategies.parameter_server_collectives import ParameterServerCollectives
+from lightning_parallel.strategies.parameter_server_fit import ParameterServerHooks, check_fit
 from lightning_parallel.strategies.worker_loss import (
     heartbeat_seconds,
     local_sigterm,
@@ -88,12 +83,8 @@ from lightning_parallel.strategies.worker_loss import (
 
 __all__: list[str] = []
 
-log = logging.getLogger(__name__)
 
-_T = TypeVar("_T")
-
-
-class ParameterServerStrategy(ParallelStrategyBase):
+class ParameterServerStrategy(ParameterServerCollectives):
     """Train asynchronously against a parameter server with staleness control.
 
     Args:
@@ -209,9 +200,8 @@ class ParameterServerStrategy(ParallelStrategyBase):
         self._resume_server_state: dict[str, Any] | None = None
         self._restore: list[Callable[[], None]] = []
         self._limit: int | float = 1.0
-        #: the ranks still in the run, once a worker was lost (Lightning's collectives use it)
-        self.survivors: list[int] | None = None
-        self._survivor_group: Any = None
+        #: the ranks still in the run and their group, once a worker was lost
+        self.lost_workers = LostWorkers()
 
     # ------------------------------------------------------------------ launch and setup
 
@@ -225,7 +215,7 @@ class ParameterServerStrategy(ParallelStrategyBase):
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         # every worker starts from rank 0's weights, like DDP
-        broadcast_module_states(self.model, group=self._survivor_group)
+        broadcast_module_states(self.model, group=self.lost_workers.group)
         if fitting:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
@@ -234,48 +224,13 @@ class ParameterServerStrategy(ParallelStrategyBase):
 
     def _check_configuration(self, trainer: pl.Trainer) -> None:
         self.worker_loss = resolve_worker_loss(self.worker_loss_setting, dist.get_backend())
-        module = trainer.lightning_module
-        if not module.automatic_optimization:
-            raise ValueError(
-                "ParameterServerStrategy runs the optimizer on the server and supports automatic "
-                "optimization only; remove `self.automatic_optimization = False`"
-            )
-        if self.policy.softsync > trainer.world_size:
-            raise ValueError(
-                f"softsync={self.policy.softsync} waits for more gradients than there are workers "
-                f"({trainer.world_size}); use softsync <= {trainer.world_size}"
-            )
-        if self.lr_scale_auto:
-            # the step per sample of synchronous training: an update applies softsync gradients,
-            # or one per worker under max_staleness=0 (synchronous SGD: no scaling)
-            synchronous = self.policy.max_staleness == 0
-            scale = 1.0 if synchronous else self.policy.softsync / trainer.world_size
-            self.policy = dataclasses.replace(self.policy, lr_scale=scale)
-        if self.shards > trainer.world_size or self.server_rank >= trainer.world_size:
-            raise ValueError(
-                f"shards={self.shards} and server_rank={self.server_rank} need a world size above "
-                f"both; it is {trainer.world_size}"
-            )
-        interval = trainer.val_check_interval
-        if getattr(trainer, "_val_check_time_interval", None) is not None or not (
-            isinstance(interval, float) and interval == 1.0
-        ):
-            raise ValueError(
-                "ParameterServerStrategy validates at epoch ends only (workers are not in step "
-                f"inside an epoch); got val_check_interval={interval!r}: leave it at 1.0 and use "
-                "check_val_every_n_epoch"
-            )
-        for callback in trainer.callbacks:  # type: ignore[attr-defined]
-            if isinstance(callback, ModelCheckpoint) and saves_inside_epoch(callback):
-                raise ValueError(
-                    "ModelCheckpoint(every_n_train_steps / train_time_interval) saves inside an "
-                    "epoch, where parameter-server workers are not in step; use every_n_epochs"
-                )
-            if isinstance(callback, Timer) and stops_on_step_timer(callback):
-                raise ValueError(
-                    "Timer(interval='step') broadcasts a decision every step, where "
-                    "parameter-server workers are not in step; use Timer(interval='epoch')"
-                )
+        self.policy = check_fit(
+            trainer,
+            self.policy,
+            lr_scale_auto=self.lr_scale_auto,
+            shards=self.shards,
+            server_rank=self.server_rank,
+        )
 
     def _start(self, trainer: pl.Trainer) -> None:
         if len(self.optimizers) != 1:
@@ -319,7 +274,7 @@ class ParameterServerStrategy(ParallelStrategyBase):
                 # torchmetrics synchronises over the ranks still in the run (_collective)
                 metric.dist_sync_fn = self._gather_for_metrics
                 self._restore.append(functools.partial(setattr, metric, "dist_sync_fn", None))
-        hooks = _ParameterServerHooks(self)
+        hooks = ParameterServerHooks(self.drain)
         callbacks: list[Callback] = trainer.callbacks  # type: ignore[attr-defined]
         callbacks.append(hooks)
         self._restore.append(lambda: callbacks.remove(hooks))
@@ -420,173 +375,9 @@ class ParameterServerStrategy(ParallelStrategyBase):
         if drained:
             self._asynchronous = False
             self._adopt_losses(self.runtime.client.lost)
-            self._sync_buffers()
+            self.sync_buffers()
             if self.runtime.client.run_over:
                 trainer.should_stop = True
-
-    def _sync_buffers(self) -> None:
-        # The server trains parameters only; buffers (BatchNorm statistics) follow rank 0's at
-        # every epoch end, as DDP's broadcast_buffers does at every step. A sum in which every
-        # other rank adds zeros, not a broadcast: every rank then needs every other, so a lost
-        # worker fails it on every survivor alike (_collective); the sum is exact.
-        assert self.model is not None
-        buffers = [buffer for buffer in self.model.buffers() if buffer.dtype != torch.bool]
-        if not buffers or self.world_size < 2:
-            return
-
-        def rank_zeros(group: Any) -> None:
-            for buffer in buffers:
-                if self.global_rank != 0:  # again at a retry: a failed sum may have left some
-                    buffer.zero_()
-                all_reduce_(buffer, group)  # on the model's device: no copy
-
-        self._collective(rank_zeros)
-
-    # ------------------------------------------------------------------ lost workers
-
-    def _adopt_losses(self, count: int) -> None:
-        """The server went on without ``count`` workers in all: say so, and move Lightning's
-        collectives to a group of the survivors (:meth:`ParameterServerRuntime.lost_workers`
-        gives every rank the same list)."""
-        runtime = self.runtime
-        known = self.world_size - len(self.survivors or range(self.world_size))
-        if runtime is None or count <= known:
-            return
-        lost = runtime.lost_workers(count)
-        gone = {rank for rank, _ in lost}
-        self.survivors = [rank for rank in range(self.world_size) if rank not in gone]
-        self._survivor_group = new_group(self.survivors, members_only=True)
-        for rank, reason in lost[known:]:
-            log.warning(
-                "parameter server: worker rank %d was lost (%s); training continues on the "
-                "%d remaining worker%s (ranks %s)",
-                rank,
-                reason,
-                len(self.survivors),
-                "" if len(self.survivors) == 1 else "s",
-                self.survivors,
-            )
-        process_ledger().set_gauge("ps_workers_lost", float(len(gone)))
-
-    def _collective(self, run: Callable[[Any], _T]) -> _T:
-        """``run(group)``: a collective over the ranks still in the run (``group`` is ``None``,
-        the default group, until a worker is lost).
-
-        A worker lost between two training epochs (in validation, a checkpoint, logging) is
-        noticed here: every survivor's collective fails, since each needs every member's data
-        (the broadcast too, see :meth:`broadcast`). Each survivor then waits for the server to
-        declare the loss (at once for a dead process, ``heartbeat_timeout`` for a frozen one),
-        moves to the survivors' group and runs the collective again.
-        """
-        while True:
-            try:
-                return run(self._survivor_group)
-            except Exception as error:
-                if not self._moved_past_loss(error):
-                    raise
-
-    def _moved_past_loss(self, error: Exception) -> bool:
-        runtime = self.runtime
-        if runtime is None or self.worker_loss != "continue" or self.failed:
-            return False  # not going on, or the run is already ending (its teardown's calls)
-        if runtime.failure is not None or not is_communication_error(error):
-            return False
-        liveness = self._liveness
-        if liveness is not None and time.monotonic() - liveness.last_answer > 3 * liveness.interval:
-            return False  # the store's host (rank 0) is gone: no verdict will come
-        known = self.world_size - len(self.survivors or range(self.world_size))
-        deadline = time.monotonic() + self.fault_timeout + 5.0
-        self.set_activity("waiting for the server to declare a lost worker")
-        try:
-            while (count := runtime.published_lost()) <= known:
-                if time.monotonic() > deadline:
-                    return False
-                time.sleep(0.1)
-        except Exception:  # the store does not answer: its host failed too
-            return False
-        self._adopt_losses(count)
-        return True
-
-    def _gather_for_metrics(self, tensor: Tensor, group: Any = None) -> list[Tensor]:
-        # torchmetrics' ``dist_sync_fn``: its all-gather, over the ranks still in the run
-        return self._collective(lambda survivors: gather_all_tensors(tensor, group=survivors))
-
-    # ------------------------------------------------------------------ collectives
-
-    @override
-    def reduce(
-        self, tensor: Tensor, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
-    ) -> Tensor:
-        if self._asynchronous:
-            if not self._warned_sync_dist:
-                self._warned_sync_dist = True
-                rank_zero_warn(
-                    "ParameterServerStrategy: values logged with sync_dist=True during training "
-                    "steps are this worker's own (workers are not in step inside an epoch); "
-                    "epoch-level and validation values are synchronised"
-                )
-            return tensor
-        if group is not None or not isinstance(tensor, Tensor):
-            return super().reduce(tensor, group=group, reduce_op=reduce_op)
-        return self._collective(
-            lambda survivors: super(ParameterServerStrategy, self).reduce(
-                tensor.clone(), group=survivors, reduce_op=reduce_op
-            )
-        )
-
-    def _forbid_collective(self, name: str) -> None:
-        if self._asynchronous:
-            raise RuntimeError(
-                f"{name} was called inside an asynchronous training epoch of "
-                "ParameterServerStrategy, where workers are not in step (it would hang or mix "
-                "up ranks). Move it to an epoch-end or validation hook"
-            )
-
-    @override
-    def barrier(self, name: str | None = None) -> None:
-        self._forbid_collective("barrier")
-        if not torch.distributed.is_initialized():
-            return
-        self.set_activity(f"barrier {name or ''}".rstrip())
-        self._collective(lambda survivors: torch.distributed.barrier(group=survivors))
-
-    @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        """Rank ``src``'s ``obj`` on every rank, as an all-gather of objects: every rank then
-        needs every other, so that a lost worker fails the call on every survivor at once
-        (:meth:`_collective`); Lightning broadcasts only small objects (paths, decisions)."""
-        self._forbid_collective("broadcast")
-        if not torch.distributed.is_initialized():
-            return obj
-
-        def gather(survivors: Any) -> Any:
-            members = self.survivors or list(range(self.world_size))
-            gathered: list[Any] = [None] * len(members)
-            torch.distributed.all_gather_object(gathered, obj, group=survivors)
-            return gathered[members.index(src)]
-
-        return self._collective(gather)
-
-    @override
-    def all_gather(
-        self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False
-    ) -> Tensor:
-        self._forbid_collective("all_gather")
-        if group is not None:
-            return super().all_gather(tensor, group=group, sync_grads=sync_grads)
-        return self._collective(
-            lambda survivors: super(ParameterServerStrategy, self).all_gather(
-                tensor, group=survivors, sync_grads=sync_grads
-            )
-        )
-
-    @override
-    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
-        if self._survivor_group is None and self.runtime is None:
-            return super().reduce_boolean_decision(decision, all=all)
-        votes = self.reduce(torch.tensor(int(decision), device=self.root_device), reduce_op="sum")
-        members = len(self.survivors or range(self.world_size))
-        return bool(votes == members) if all else bool(votes)
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -653,26 +444,6 @@ class ParameterServerStrategy(ParallelStrategyBase):
         while self._restore:
             self._restore.pop()()
         super().teardown()
-
-
-class _ParameterServerHooks(Callback):
-    """Keep the data iterator in its epoch; drain at the epoch end if the last step did not."""
-
-    def __init__(self, strategy: ParameterServerStrategy) -> None:
-        self.strategy = strategy
-
-    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        combined, fetcher = fit_loop_data(trainer)
-        loader = combined.flattened[0] if combined is not None else None
-        if isinstance(loader, BudgetedLoader) and loader.stale() and fetcher is not None:
-            iter(fetcher)  # what the fit loop does at every other epoch start
-
-    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking:
-            self.strategy.drain(trainer)
-
-    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.strategy.drain(trainer)
 
 
 register_strategy(
