@@ -5,8 +5,10 @@ Module by module:
 
 - ``runtime``: :class:`NoFlushPipeline`, one stage's forwards, backwards and updates in the 1F1B
   order across steps, and the :class:`StageTelemetry` it measures.
-- ``predictors``: which weights each pass uses (:class:`WeightPredictor` and its options, built
-  by :func:`make_weight_predictor`); its docstring holds the options table and the algorithm.
+- ``predictors``: which weights each pass uses (:class:`WeightPredictor` and its options); its
+  docstring holds the options table and the algorithm.
+- ``choose``: :func:`default_prediction` (the option a stage gets by default) and
+  :func:`make_weight_predictor` (a stage's predictor for an option).
 - ``directions``: what a prediction moves along: the smoothed gradient, SGD's momentum buffer
   or Adam's update direction.
 - ``forecast``: the learning rates of the next updates, current or simulated from the scheduler.
@@ -22,6 +24,7 @@ loop; the pieces it shares with the flush pipeline (schedule tables, transport, 
 in :mod:`lightning_parallel.pipeline`.
 """
 
+from lightning_parallel.pipeline.noflush.choose import default_prediction, make_weight_predictor
 from lightning_parallel.pipeline.noflush.directions import (
     AdamDirection,
     MomentumBuffer,
@@ -38,8 +41,6 @@ from lightning_parallel.pipeline.noflush.predictors import (
     SpecTrainPrediction,
     WeightPredictor,
     WeightStashing,
-    default_prediction,
-    make_weight_predictor,
 )
 from lightning_parallel.pipeline.noflush.runtime import NoFlushPipeline, StageTelemetry
 from lightning_parallel.pipeline.noflush.stability import staleness_learning_rate_scale
