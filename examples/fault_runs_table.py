@@ -12,6 +12,8 @@ of the run's log), the survivors' final validation accuracy (mean and range over
 same spec's accuracy without the fault over the same seeds, the difference in points, and for
 runs that ended instead: the seconds from the fault to the survivors' last exit and whether
 that is within the bench's bar (``extra.survivors_within_bar``: ``timeout + 30`` s).
+``--per-seed`` adds a table of each seed's final accuracy with and without the fault, and the
+median of the differences.
 """
 
 from __future__ import annotations
@@ -101,6 +103,35 @@ def table(clean: Sequence[Path], faulted: Sequence[Path]) -> str:
     return "\n".join(lines)
 
 
+def per_seed(clean: Sequence[Path], faulted: Sequence[Path]) -> str:
+    """Each seed's final accuracy with the fault and without it, for the runs that went on."""
+    without = {(_base(run["spec"]), seed): run.get("val_acc") for seed, run in _runs(clean)}
+    rows: dict[tuple[str, str], dict[int, tuple[float, float | None]]] = defaultdict(dict)
+    for seed, run in _runs(faulted):
+        survivors = [r for r in run["extra"]["ranks"] if not r["faulted"]]
+        if run.get("val_acc") is None or not all(r["went_on"] for r in survivors):
+            continue
+        fault = " ".join(f["fault"] for f in run["extra"].get("faults") or [])
+        reference = without.get((_base(run["spec"]), seed))
+        rows[(run["spec"], fault)][seed] = (float(run["val_acc"]), reference)
+    seeds = sorted({seed for row in rows.values() for seed in row})
+    lines = [
+        "| spec | fault | " + " | ".join(f"seed {s}" for s in seeds) + " | median Δ points |",
+        "| --- | --- | " + " | ".join("---" for _ in seeds) + " | --- |",
+    ]
+    for (spec, fault), row in rows.items():
+        cells = []
+        for seed in seeds:
+            acc, ref = row.get(seed, (None, None))
+            cells.append(
+                "—" if acc is None else f"{acc:.3f}" + ("" if ref is None else f" / {ref:.3f}")
+            )
+        deltas = [100 * (acc - ref) for acc, ref in row.values() if ref is not None]
+        median = f"{statistics.median(deltas):+.1f}" if deltas else "—"
+        lines.append(f"| `{spec}` | `{fault}` | " + " | ".join(cells) + f" | {median} |")
+    return "\n".join(lines)
+
+
 def _base(spec: str) -> str:
     """The spec without the options that only say what a fault does."""
     name, _, options = spec.partition(":")
@@ -116,8 +147,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--clean", type=Path, nargs="+", required=True, help="runs without faults")
     parser.add_argument("--faulted", type=Path, nargs="+", required=True, help="runs with faults")
+    parser.add_argument("--per-seed", action="store_true", help="each seed: with / without")
     args = parser.parse_args(argv)
     print(table(args.clean, args.faulted))
+    if args.per_seed:
+        print()
+        print(per_seed(args.clean, args.faulted))
 
 
 if __name__ == "__main__":

@@ -172,7 +172,13 @@ def test_fault_runs_table_compares_with_the_runs_without_the_fault(tmp_path):
         )
         for s in (0, 1)
     ]
-    stdout = _example(tmp_path, "fault_runs_table.py", "--clean", *clean, "--faulted", *faulted)
+    stdout = _example(
+        tmp_path, "fault_runs_table.py", "--clean", *clean, "--faulted", *faulted, "--per-seed"
+    )
+    assert (
+        "| `a:x=1,worker_loss=continue` | `kill:2@35` | 0.880 / 0.900 | 0.890 / 0.900 | -1.5 |"
+        in stdout
+    )
     continued = "| `a:x=1,worker_loss=continue` | `kill:2@35` | 2/2 | 1/2 | 0.885 (0.880–0.890)"
     assert continued in stdout  # in seed 0, rank 1 did not log it
     assert "| 0.900 (0.900–0.900) | -1.5 | — | yes |" in stdout

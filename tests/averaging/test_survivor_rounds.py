@@ -69,20 +69,30 @@ def test_a_round_after_a_loss_is_the_mean_of_the_survivors(quantized: bool) -> N
             os._exit(1)
         engine.count_optimizer_step()
         engine.synchronize()  # the round: started over three, finished over two
-        weights = model.weight.detach().reshape(-1).clone()
+        weights = [model.weight.detach().reshape(-1).clone()]
+        for k in (1, 2):  # later rounds: over the survivors' own group from the start
+            with torch.no_grad():
+                model.weight.add_(_replica(rank) * k)
+            engine.count_optimizer_step()
+            engine.synchronize()
+            weights.append(model.weight.detach().reshape(-1).clone())
         survivors.close()
         liveness.stop()
         return weights, survivors.members
 
     results = run_distributed(fn, 3, timeout=60, may_vanish={2})
-    expected = (_replica(0) + _replica(1)) / 2
+    mean = (_replica(0) + _replica(1)) / 2
+    expected = [mean, 2 * mean, 4 * mean]  # each round: the mean of x + k·replica
     for weights, members in results[:2]:
         assert members == [0, 1]
-        if quantized:  # int8 codes of each delta: within one step of the block's scale
-            torch.testing.assert_close(weights, expected, atol=0.05, rtol=0)
-        else:
-            assert torch.equal(weights, expected)
-    assert torch.equal(results[0][0], results[1][0])
+        for got, want in zip(weights, expected, strict=True):
+            if quantized:  # int8 codes of each delta: within one step of the block's scale
+                step = float(want.abs().max()) / 127
+                torch.testing.assert_close(got, want, atol=step, rtol=0)
+            else:
+                torch.testing.assert_close(got, want, atol=0, rtol=1e-6)
+    for first, second in zip(results[0][0], results[1][0], strict=True):
+        assert torch.equal(first, second)
 
 
 @pytest.mark.faults
