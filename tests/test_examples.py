@@ -9,7 +9,7 @@ from helpers.environment import user_environment
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _example(cwd, name, *args, timeout=240):
+def _example(cwd, name, *args, timeout=240, env=None):
     """Run ``examples/<name>`` with ``args`` in ``cwd``; assert it exits 0; its stdout."""
     result = subprocess.run(
         [sys.executable, str(ROOT / "examples" / name), *map(str, args)],
@@ -17,6 +17,7 @@ def _example(cwd, name, *args, timeout=240):
         capture_output=True,
         text=True,
         timeout=timeout,
+        env=env,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout
@@ -186,6 +187,16 @@ def test_fault_runs_table_compares_with_the_runs_without_the_fault(tmp_path):
         "| `a:x=1,timeout=30` | `kill:2@35` | 0/2 | 0/2 | — | 0.900 (0.900–0.900) | — | 3.5"
         in stdout
     )
+
+
+@pytest.mark.slow
+@pytest.mark.faults
+def test_lost_replica_example_goes_on_under_lightnings_own_launcher(tmp_path):
+    """Lightning's popen launcher kills every rank when a child dies; with worker_loss the
+    strategy's launcher lets ranks 0 and 1 finish without rank 2."""
+    stdout = _example(tmp_path, "lost_replica.py", timeout=200, env=user_environment())
+    assert "rank 0 finished epoch 3" in stdout and "rank 1 finished epoch 3" in stdout
+    assert "rank 2 finished" not in stdout
 
 
 @pytest.mark.slow

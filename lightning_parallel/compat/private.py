@@ -74,6 +74,22 @@ PRIVATE_USES: tuple[PrivateUse, ...] = (
         "the popen launcher (and the one for externally started processes: torchrun, SLURM)",
     ),
     PrivateUse(
+        "strategies.launchers",
+        "_SubprocessScriptLauncher",
+        "_call_children_scripts",
+        "attribute",
+        "starts the other ranks for the popen launcher that lets them outlive a lost one "
+        "(worker_loss='continue'); Lightning's own kills every rank when one child fails",
+    ),
+    PrivateUse(
+        "fabric.utilities.distributed",
+        "",
+        "_set_num_threads_if_needed",
+        "attribute",
+        "the per-process thread count Lightning's popen launcher sets, kept by that launcher",
+        required=False,
+    ),
+    PrivateUse(
         "strategies",
         "DDPStrategy",
         "_configure_launcher",
@@ -245,22 +261,52 @@ def check_start_method(value: str) -> None:
         raise ValueError(f"start_method must be one of {START_METHODS}, got {value!r}")
 
 
-def make_launcher(strategy: Any, start_method: str, external: bool) -> Any:
+def make_launcher(
+    strategy: Any, start_method: str, external: bool, keep_survivors: bool = False
+) -> Any:
     """Lightning's launcher for ``strategy``: the script launcher or the spawn/fork one.
 
     Args:
         strategy: a Lightning ``ParallelStrategy`` of ours.
         start_method: ``"popen"`` or a ``multiprocessing`` start method.
         external: the processes were started by someone else (torchrun, SLURM, our cluster).
+        keep_survivors: the popen launcher lets the other ranks outlive one that dies (its
+            observer thread, which kills every rank when a child fails, is not started).
     """
     namespace = of_object(strategy)
     assert namespace is not None
     launchers = _resolve_module(namespace, "strategies.launchers")
     if external or start_method == "popen":
-        return launchers._SubprocessScriptLauncher(
+        script_launcher = launchers._SubprocessScriptLauncher
+        if keep_survivors and not external:
+            script_launcher = _surviving(script_launcher, namespace)
+        return script_launcher(
             strategy.cluster_environment, strategy.num_processes, strategy.num_nodes
         )
     return launchers._MultiProcessingLauncher(strategy, start_method=start_method)
+
+
+@functools.cache
+def _surviving(script_launcher: type, namespace: Namespace) -> type:
+    """``script_launcher`` without the observer that ends every rank when one child fails."""
+    distributed = _resolve_module(namespace, "fabric.utilities.distributed")
+    set_threads = getattr(distributed, "_set_num_threads_if_needed", None)
+
+    class SurvivingScriptLauncher(script_launcher):  # type: ignore[misc, valid-type]
+        """Lightning's popen launcher whose ranks outlive a lost one (``worker_loss``)."""
+
+        def launch(
+            self, function: Callable[..., Any], *args: Any, trainer: Any = None, **kwargs: Any
+        ) -> Any:
+            environment = self.cluster_environment
+            environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
+            if not environment.creates_processes_externally:
+                self._call_children_scripts()
+            if set_threads is not None:
+                set_threads(num_processes=self.num_processes)
+            return function(*args, **kwargs)
+
+    return SurvivingScriptLauncher
 
 
 def start_method(strategy: Any) -> str:

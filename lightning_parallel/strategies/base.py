@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 from pytorch_lightning.strategies import DDPStrategy
 from pytorch_lightning.utilities.exceptions import SIGTERMException
+from pytorch_lightning.utilities.rank_zero import rank_zero_warn
 from torch.distributed.constants import default_pg_timeout
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
@@ -194,7 +195,20 @@ class ParallelStrategyBase(DDPStrategy):
         #: the processes are started here by spawn/fork, and rank 0 hands the trained model
         #: back to the parent process (Lightning's multiprocessing launcher)
         self.returns_model_to_parent = not external and start_method(self) != "popen"
-        set_launcher(self, make_launcher(self, start_method(self), external))
+        keep = self.keeps_survivors()
+        if keep and not external and start_method(self) != "popen":
+            rank_zero_warn(
+                f"{type(self).__name__}(worker_loss='continue'): Lightning's "
+                f"{start_method(self)} launcher ends every process when one dies, so only a "
+                "frozen or cut-off rank can be dropped; use start_method='popen' (the default) "
+                "or an outside launcher (torchrun, SLURM) for the others to outlive a dead one"
+            )
+        set_launcher(self, make_launcher(self, start_method(self), external, keep))
+
+    def keeps_survivors(self) -> bool:
+        """Whether the ranks go on without a lost one (``worker_loss="continue"``): then the
+        popen launcher does not end every rank when one child process dies. Default: no."""
+        return False
 
     def check_world_size(self, world_size: int) -> None:
         """Raise ``ValueError`` (naming the fix) if the strategy cannot run on ``world_size``

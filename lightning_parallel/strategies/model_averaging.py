@@ -341,6 +341,10 @@ class ModelAveragingStrategy(AveragingCheckpoints):
             self.averaging = self._build_averaging(trainer)
             self.averaging.broadcast_replicas(src=0)
 
+    @override
+    def keeps_survivors(self) -> bool:
+        return self.worker_loss == "continue"
+
     def _build_averaging(self, trainer: pl.Trainer) -> ReplicaAveraging:
         assert self.lightning_module is not None
         ranks_per_host = self.ranks_per_host

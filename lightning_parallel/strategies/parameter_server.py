@@ -206,6 +206,10 @@ class ParameterServerStrategy(ParameterServerCollectives):
     # ------------------------------------------------------------------ launch and setup
 
     @override
+    def keeps_survivors(self) -> bool:
+        return self.worker_loss == "continue"  # before setup: the setting, or the gloo default
+
+    @override
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)

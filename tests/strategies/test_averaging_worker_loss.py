@@ -310,3 +310,17 @@ def test_on_cuda_the_survivors_go_on_without_a_lost_replica(tmp_path: Path) -> N
     for epoch, _, said in results[:2]:
         assert epoch == 2 and len(said) == 1 and "replica rank 2 was lost" in said[0]
     assert torch.equal(results[0][1], results[1][1])
+
+
+def test_continue_chooses_a_launcher_whose_ranks_outlive_a_dead_one() -> None:
+    """Lightning's popen launcher ends every rank when one child dies; with "continue" the
+    strategy's does not, and spawn/fork (which cannot keep them) warn."""
+
+    def launcher(**kwargs: Any) -> str:
+        trainer = Trainer(accelerator="cpu", devices=3, strategy=ModelAveragingStrategy(**kwargs))
+        return type(trainer.strategy.launcher).__name__
+
+    assert launcher(worker_loss="continue") == "SurvivingScriptLauncher"
+    assert launcher() == "_SubprocessScriptLauncher"
+    with pytest.warns(UserWarning, match="only a frozen or cut-off rank can be dropped"):
+        launcher(worker_loss="continue", start_method="spawn")
