@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_parallel.comm.accounting import ring_allreduce_bytes
 from lightning_parallel.comm.devices import copy_back, to_group
 from lightning_parallel.comm.groups import new_group
 from lightning_parallel.comm.tree import TreeAllReduce
@@ -93,8 +94,7 @@ class FlatAllReduce:
 
     def bytes_sent(self, nbytes: float) -> float:
         """Bytes this rank sends for a payload of ``nbytes`` (ring allreduce)."""
-        world = self._world_size
-        return 2.0 * (world - 1) / world * nbytes if world > 1 else 0.0
+        return ring_allreduce_bytes(nbytes, self._world_size)
 
 
 def counted(work: ReductionWork, default: int) -> int:

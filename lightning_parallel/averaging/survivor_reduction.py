@@ -22,6 +22,7 @@ from torch import Tensor
 
 from lightning_parallel.averaging.quantized_gather import ROUNDS_LANE
 from lightning_parallel.averaging.reduction import FlatAllReduce, Reduction
+from lightning_parallel.comm.accounting import ring_allreduce_bytes
 from lightning_parallel.comm.devices import to_group
 from lightning_parallel.comm.survivors import Pending, Survivors
 from lightning_parallel.comm.tree import TreeAllReduce
@@ -90,8 +91,7 @@ class SurvivorAllReduce:
         """Bytes this rank sends for ``nbytes``: the first reduction's count, then a ring's."""
         if self.survivors.view.number == 0:
             return self.first.bytes_sent(nbytes)
-        world = self.world_size
-        return 2.0 * (world - 1) / world * nbytes if world > 1 else 0.0
+        return ring_allreduce_bytes(nbytes, self.world_size)
 
 
 def rounds_lane(first: Reduction) -> Any:

@@ -28,8 +28,8 @@ the same decision for every collective and moves the run to the ranks that are l
 The functions must therefore be repeatable: they may not change their inputs (an in-place
 allreduce works on a copy). Results are identical on every rank that returns one. What a
 committed collective cost in store traffic: one ``compare_set``, one or a few ``check`` calls,
-one ``multi_get``; its result waits for the slowest member's vote (a few milliseconds more than
-the collective itself).
+one ``multi_get``, and a ``view/count`` read every 50 ms while it waits; its result waits for
+the slowest member's vote.
 
 Not handled: two ranks lost within one ``timeout`` of each other are adopted one after the
 other, which works when both are dead; a view whose group a later-lost member never joins

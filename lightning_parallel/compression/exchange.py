@@ -59,6 +59,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_parallel.comm.accounting import ring_allreduce_bytes
 from lightning_parallel.compression.error_feedback import ErrorFeedback
 from lightning_parallel.compression.exchange_dense import DenseRoute
 from lightning_parallel.compression.exchange_gather import GatherRoute
@@ -71,7 +72,6 @@ from lightning_parallel.compression.exchange_step import (
     LayerReport,
     Workspaces,
     no_sync,
-    ring_allreduce_bytes,
 )
 from lightning_parallel.compression.exchange_two_phase import TwoPhaseRoute
 from lightning_parallel.compression.exchange_two_phase import two_phase_chunk as two_phase_chunk

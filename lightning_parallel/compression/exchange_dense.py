@@ -23,13 +23,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_parallel.comm.accounting import ring_allreduce_bytes
 from lightning_parallel.comm.devices import to_group
 from lightning_parallel.compression.exchange_residuals import flush_residuals
 from lightning_parallel.compression.exchange_step import (
     ExchangeRoute,
     ExchangeStep,
     LayerGradient,
-    ring_allreduce_bytes,
 )
 from lightning_parallel.compression.kernel_topk import KernelTopK
 

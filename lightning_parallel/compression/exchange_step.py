@@ -61,11 +61,6 @@ class LayerReport:
         return self.dense_bytes / self.bytes_sent if self.bytes_sent > 0 else 1.0
 
 
-def ring_allreduce_bytes(nbytes: float, world_size: int) -> float:
-    """Bytes one rank sends in a ring allreduce of ``nbytes`` (reduce-scatter + allgather)."""
-    return 2.0 * (world_size - 1) / world_size * nbytes
-
-
 def no_sync() -> None:
     return None
 

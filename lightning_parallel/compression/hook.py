@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_parallel.comm.accounting import ring_allreduce_bytes
 from lightning_parallel.comm.agreement import check_same_settings, plain_attributes
 from lightning_parallel.comm.devices import to_group
 from lightning_parallel.compression.cost_model import CostModel
@@ -47,7 +48,6 @@ from lightning_parallel.compression.exchange import (
     LayerReport,
     check_piece_numel,
     resolve_piece_numel,
-    ring_allreduce_bytes,
 )
 from lightning_parallel.compression.policy import DENSE, HyloPolicy, LayerPlan
 

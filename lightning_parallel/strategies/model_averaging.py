@@ -177,7 +177,7 @@ class ModelAveragingStrategy(AveragingCheckpoints):
             Lightning's collectives, ``torchmetrics`` and checkpoints go on among them (its
             shard of the data is no longer trained or validated). ``"stop"`` is the default
             because ``"continue"`` changes what the run computes (fewer replicas, less data) and
-            every collective then pays an agreement through the store (a few milliseconds);
+            every collective then pays an agreement through the store;
             ``"continue"`` needs a gloo default group.
         heartbeat_timeout: seconds of heartbeat silence after which a replica is lost with
             ``worker_loss="continue"`` (default: half of ``timeout``, at most 60).

@@ -25,7 +25,7 @@ from __future__ import annotations
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -66,15 +66,13 @@ class PipelineCheckpoints(ParallelStrategyBase):
     #: what a resumed checkpoint still has to give the stage: ``"checkpoint"``, ``"optimizers"``
     _resume: dict[str, Any] | None = None
 
-    @property
-    def group_index(self) -> int:
-        """This rank's data-parallel group (the placement's)."""
-        raise NotImplementedError
+    if TYPE_CHECKING:  # the placement's, defined by PipelineStrategyBase
 
-    @property
-    def stage_index(self) -> int:
-        """This rank's stage (the placement's)."""
-        raise NotImplementedError
+        @property
+        def group_index(self) -> int: ...
+
+        @property
+        def stage_index(self) -> int: ...
 
     def _owners(self) -> list[int]:
         assert self._topology is not None

@@ -27,8 +27,9 @@ runs every micro-batch's forward and backward itself, inside ``training_step``, 
 from __future__ import annotations
 
 import inspect
+from abc import abstractmethod
 from collections.abc import Sequence
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -49,15 +50,13 @@ class PipelineTraining(PipelineCheckpoints):
     #: what a stage does during a training step (the activity a failure reports)
     step_activity: ClassVar[str] = "pipeline schedule"
 
-    # what this half calls of the assembly (PipelineStrategyBase's)
+    if TYPE_CHECKING:  # what this half calls of the assembly (PipelineStrategyBase's)
 
-    def capture(self, hook: str, micro_batch: Any, hook_args: Sequence[Any]) -> tuple[Any, ...]:
-        """The positional arguments the user's ``hook`` passes to the model's ``forward``."""
-        raise NotImplementedError
+        def capture(
+            self, hook: str, micro_batch: Any, hook_args: Sequence[Any]
+        ) -> tuple[Any, ...]: ...
 
-    def ensure_pipeline(self, example_args: tuple[Any, ...]) -> Pipeline:
-        """Build this rank's part of the pipeline (once) from one micro-batch's model input."""
-        raise NotImplementedError
+        def ensure_pipeline(self, example_args: tuple[Any, ...]) -> Pipeline: ...
 
     # -- the training step -------------------------------------------------------------------
 
@@ -95,6 +94,7 @@ class PipelineTraining(PipelineCheckpoints):
         loss = self.train_micro_batches(pipeline, step, inputs)
         return step.output(torch.tensor(loss, device=self.root_device))
 
+    @abstractmethod
     def train_micro_batches(
         self, pipeline: Pipeline, step: MicroBatchStep, inputs: list[tuple[Any, ...]] | None
     ) -> float:
@@ -109,7 +109,6 @@ class PipelineTraining(PipelineCheckpoints):
                 :meth:`feeds_pipeline`, the first one's at another rank's first step, else
                 ``None``.
         """
-        raise NotImplementedError
 
     # -- backward ----------------------------------------------------------------------------
 
@@ -146,7 +145,7 @@ class PipelineTraining(PipelineCheckpoints):
                 if parameter.grad is not None:
                     parameter.grad.mul_(coefficient)
 
+    @abstractmethod
     def gradient_norm(self, optimizer: Any) -> tuple[float, list[nn.Parameter]]:
         """The norm to clip by (the whole model's gradient) and the parameters whose gradients
         clipping scales (an engine's hook)."""
-        raise NotImplementedError
