@@ -7,13 +7,13 @@ docs/model_averaging.md ("Streaming rounds") quotes these runs, e.g.:
             fragments=4 sync_delay=4 outer_dtype=int8
     done
 
-Every ``key=value`` goes to ``ModelAveragingStrategy`` as the bench's SPEC options do (text,
-converted by the strategy). Two processes (fork) on the CPU, no shaped network (only the
-accuracy is meaningful; the bench measures time), ``--model`` (default ``vgg_mini``) on
-digits, batch 32 per process, the demo's optimizer, ``--epochs`` epochs (default 5): the
-same training as ``lightning-parallel bench --model vgg_mini --data digits --epochs 5
---seed S``, so the accuracy equals the bench's for the same seed. Prints
-``seed=S val_acc=A``.
+Every ``key=value`` goes to ``ModelAveragingStrategy`` as the bench's SPEC options do (the
+text converted to numbers, flags and ``None`` as a SPEC's is, here at the edge). Two processes
+(fork) on the CPU, no shaped network (only the accuracy is meaningful; the bench measures
+time), ``--model`` (default ``vgg_mini``) on digits, batch 32 per process, the demo's
+optimizer, ``--epochs`` epochs (default 5): the same training as ``lightning-parallel bench
+--model vgg_mini --data digits --epochs 5 --seed S``, so the accuracy equals the bench's for
+the same seed. Prints ``seed=S val_acc=A``.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import argparse
 import pytorch_lightning as pl
 
 from lightning_parallel import ModelAveragingStrategy
+from lightning_parallel.bench.specs import parse_spec
 from lightning_parallel.demo import build_datamodule, build_model
 
 
@@ -33,14 +34,14 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--model", default="vgg_mini")
     args = parser.parse_args()
-    options = dict(option.split("=", 1) for option in args.options)
+    options = parse_spec("model_averaging:" + ",".join(args.options)).options
     pl.seed_everything(args.seed, workers=True, verbose=False)
     data = build_datamodule("digits", batch_size=32, seed=args.seed)
     model = build_model(args.model, data=data)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2,
-        strategy=ModelAveragingStrategy(start_method="fork", **options),  # type: ignore[arg-type]
+        strategy=ModelAveragingStrategy(start_method="fork", **options),
         max_epochs=args.epochs,
         num_sanity_val_steps=0,
         logger=False,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,3 +22,22 @@ os.environ.setdefault("LIGHTNING_PARALLEL_NAMESPACE", "pytorch_lightning")
 def _seed() -> None:
     torch.manual_seed(0)
     torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def _environment() -> Iterator[None]:
+    """Each test gets the session's environment back: a Trainer run in this process sets
+    ``MASTER_PORT`` and the ranks' variables, which later subprocesses must not inherit."""
+    saved = dict(os.environ)
+    yield
+    if os.environ != saved:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Fault and real-network tests are ``slow`` too: ``pytest -m "not slow"`` (the quick loop)
+    leaves out whatever waits for a timeout or builds network namespaces."""
+    for item in items:
+        if item.get_closest_marker("faults") or item.get_closest_marker("netns"):
+            item.add_marker(pytest.mark.slow)

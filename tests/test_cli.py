@@ -1,3 +1,4 @@
+import os
 import subprocess
 import sys
 
@@ -12,7 +13,14 @@ def _cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
         capture_output=True,
         text=True,
         timeout=timeout,
+        env={**os.environ, "PYTHONFAULTHANDLER": "1"},  # a crashed rank prints its stack
     )
+
+
+def _told(result: subprocess.CompletedProcess) -> str:
+    """The start and the end of a failed run's output (each rank's error is in the middle)."""
+    err = result.stderr
+    return err if len(err) < 12000 else f"{err[:6000]}\n[...]\n{err[-6000:]}"
 
 
 @pytest.mark.slow
@@ -35,7 +43,7 @@ def test_fit_runs_a_two_process_cpu_fit_end_to_end(tmp_path):
         "false",
         f"--trainer.default_root_dir={tmp_path}",
     )
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.returncode == 0, _told(result)
     assert list(tmp_path.rglob("*.ckpt")), "fit should leave a checkpoint"
     assert (
         list(tmp_path.rglob("metrics.csv"))
@@ -78,6 +86,7 @@ def test_unknown_model_name_names_the_choices():
         _expand_short_names(["fit", "--model", "resnet9"])
 
 
+@pytest.mark.slow
 def test_bad_model_argument_is_a_clear_error():
     result = _cli(
         "fit",
@@ -94,6 +103,7 @@ def test_bad_model_argument_is_a_clear_error():
     assert "optimizer must be one of" in result.stderr
 
 
+@pytest.mark.slow
 def test_unknown_strategy_is_a_clear_error():
     result = _cli(
         "fit",
@@ -125,6 +135,7 @@ def test_every_tool_has_help_that_exits_0(command, capsys):
     assert "usage" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_fresh_install_needs_neither_scikit_learn_nor_matplotlib_for_the_library():
     # importing the package and both builds' strategies adds none of the optional dependencies
     # (Lightning itself may import matplotlib when it is installed: counted before ours)

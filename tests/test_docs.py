@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 from helpers.environment import user_environment
 
+pytestmark = pytest.mark.slow  # the pages' code runs whole fits
+
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.MULTILINE | re.DOTALL)
 PAGES = sorted(p for p in DOCS.rglob("*.md") if BLOCK.search(p.read_text()))

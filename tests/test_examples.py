@@ -6,6 +6,8 @@ from pathlib import Path
 import pytest
 from helpers.environment import user_environment
 
+pytestmark = pytest.mark.slow  # each example runs as a user runs it, in its own processes
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

@@ -26,6 +26,7 @@ def test_a_failing_rank_raises_with_its_traceback():
         run_distributed(body, 2, timeout=30)
 
 
+@pytest.mark.faults
 def test_a_hung_rank_times_out_and_is_killed():
     def body(rank, world):
         if rank == 0:

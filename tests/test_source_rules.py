@@ -55,3 +55,93 @@ def test_no_comprehension_variable_shadows_a_module_name() -> None:
                         f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {node.name}: {name}"
                     )
     assert not found, "comprehension variables named like a module-level name:\n" + "\n".join(found)
+
+
+def _private_names(folder: Path) -> set[str]:
+    """Private names a package's source defines: ``self._x = ...``, ``def _x``, class ``_x = ...``."""
+    names: set[str] = set()
+    for path in folder.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                if isinstance(node.value, ast.Name) and node.value.id == "self":
+                    names.add(node.attr)
+            elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                names.add(node.name)
+            elif isinstance(node, ast.Assign):
+                names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+    return {name for name in names if name.startswith("_") and not name.startswith("__")}
+
+
+def _lightning_private_names() -> set[str]:
+    """The private names of the installed Lightning (trainer and fabric), less torch's own
+    ``nn.Module`` internals (``_modules``, ``_parameters``: torch's, used by plain-torch code)."""
+    import lightning_fabric
+    import pytorch_lightning
+    import torch
+
+    names: set[str] = set()
+    for package in (pytorch_lightning, lightning_fabric):
+        names |= _private_names(Path(package.__file__).parent)
+    return names - set(vars(torch.nn.Module())) - set(dir(torch.nn.Module))
+
+
+_STRING_ACCESS = {"getattr", "setattr", "hasattr", "delattr"}
+#: private names Lightning's source mentions that belong to other libraries
+_NOT_LIGHTNINGS = {
+    "_forward_cache": "torchmetrics' Metric: the value of the last batch",
+    "_ddp_params_and_buffers_to_ignore": "torch's DistributedDataParallel: tensors it skips",
+}
+
+
+def test_private_lightning_names_are_reached_only_through_compat() -> None:
+    """Outside ``compat/``, no code reads a private Lightning name off another object
+    (``trainer._x``, ``getattr(module, "_x")``), and a Lightning subclass's own ``self._x`` or
+    ``def _x`` that is Lightning's is one :data:`compat.private.PRIVATE_USES` lists (checked at
+    construction on the installed Lightning). Names this package defines itself are its own."""
+    from lightning_parallel.compat.private import PRIVATE_USES
+
+    lightning = _lightning_private_names() - set(_NOT_LIGHTNINGS)
+    ours = _private_names(PACKAGE) - _private_names(PACKAGE / "compat")
+    listed = {use.name for use in PRIVATE_USES}
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        relative = path.relative_to(PACKAGE.parent)
+        if "compat" in relative.parts:
+            continue
+        layer = relative.parts[1] in ("strategies", "callbacks")
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            name, on_self = None, False
+            if isinstance(node, ast.Attribute):
+                name = node.attr
+                on_self = isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")
+            elif isinstance(node, ast.Call) and getattr(node.func, "id", None) in _STRING_ACCESS:
+                if len(node.args) > 1 and isinstance(node.args[1], ast.Constant):
+                    name = str(node.args[1].value)
+            elif layer and isinstance(node, ast.FunctionDef):
+                name, on_self = node.name, True
+            if name is None or name not in lightning:
+                continue
+            if on_self and (name in listed or (name in ours and not layer)):
+                continue
+            if not on_self and name in ours:
+                continue
+            if on_self and name in ours and _defined_here(path, name):
+                continue
+            found.append(f"{relative}:{node.lineno}: {name}")
+    assert not found, "private Lightning names outside compat/:\n" + "\n".join(found)
+
+
+def _defined_here(path: Path, name: str) -> bool:
+    """Whether ``path`` itself assigns ``self.<name>`` or defines ``<name>`` (its own)."""
+    return name in _private_names_of_file(path)
+
+
+def _private_names_of_file(path: Path) -> set[str]:
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            if isinstance(node.value, ast.Name) and node.value.id == "self":
+                names.add(node.attr)
+        elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            names.add(node.name)
+    return names

@@ -97,9 +97,10 @@ def _parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="KIND:TARGET@SECONDS",
-        help="inject into every run, SECONDS after its processes start: kill:RANK (SIGKILL), "
-        "freeze:RANK (SIGSTOP) or link:HOST (drop the host's link); repeat for several. "
-        "Give SPECs a short timeout (e.g. -s ddp_fp16:timeout=30)",
+        help="inject into every run, SECONDS after its processes start (or @stepN: once the "
+        "target finished training step N): kill:RANK (SIGKILL), freeze:RANK (SIGSTOP) or "
+        "link:HOST (drop the host's link); repeat for several. Give SPECs a short timeout "
+        "(e.g. -s ddp_fp16:timeout=30)",
     )
     add_memory_per_host(parser)
     parser.add_argument("--json", type=Path, default=None, help="write the BENCH.md JSON here")

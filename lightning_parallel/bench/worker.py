@@ -42,6 +42,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lightning_parallel.cluster.faults import STEPS_VARIABLE
+
 __all__: list[str] = []
 
 
@@ -112,6 +114,9 @@ def _make_probe(
             self._validation_start = 0.0
             self._skipped_before = 0
             self._printed = time.perf_counter()
+            # the steps a fault waits for (cluster/faults.py): said as each is reached
+            listed = os.environ.get(STEPS_VARIABLE, "")
+            self._report = {int(step) for step in listed.split(",") if step.strip()}
 
         def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
             self.tx_start = _tx_bytes(interface)
@@ -147,7 +152,11 @@ def _make_probe(
                     self.tx_trace.append([round(wall, 4), float(sent - self.tx_start)])
             if progress is not None:
                 progress.steps += 1
-            if progress_every is not None and self._previous_end - self._printed > progress_every:
+            since = self._previous_end - self._printed
+            every = progress_every is not None and since > progress_every
+            reached = {listed for listed in self._report if listed <= trainer.global_step}
+            self._report -= reached
+            if every or reached:
                 self._printed = self._previous_end
                 rank, step = trainer.global_rank, trainer.global_step
                 print(f"[progress] rank {rank} step {step}", flush=True)

@@ -116,9 +116,7 @@ class CommStats(Callback):
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         strategy = trainer.strategy
-        plain_ddp = isinstance(strategy, DDPStrategy) and not getattr(
-            strategy, "reports_communication", False
-        )
+        plain_ddp = isinstance(strategy, DDPStrategy) and not reports_communication(trainer)
         world = trainer.world_size
         self._ddp_bytes = ring_allreduce_bytes(_gradient_bytes(pl_module), world)
         self._analytic_bytes = self._ddp_bytes if plain_ddp else 0.0
@@ -245,3 +243,12 @@ def fit_summary(
 
 def _megabytes(value: float) -> str:
     return f"{value / 1e6:.3f} MB"
+
+
+def reports_communication(trainer: pl.Trainer) -> bool:
+    """Whether the strategy, or one of the trainer's callbacks, sends every byte through Python
+    collectives that are counted (their class attribute ``reports_communication``; Lightning's
+    own strategies have none: DDP's C++ allreduce is estimated instead)."""
+    callbacks: list[Callback] = trainer.callbacks  # type: ignore[attr-defined]
+    owners: list[object] = [trainer.strategy, *callbacks]
+    return any(getattr(type(owner), "reports_communication", False) for owner in owners)

@@ -20,7 +20,7 @@ Example::
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, ClassVar, Literal
 
 import pytorch_lightning as pl
 import torch
@@ -104,6 +104,10 @@ class HyloCompression(Callback):
         hook: the :class:`~lightning_parallel.compression.HyloHook` once the fit started.
     """
 
+    #: the hook communicates through Python collectives (counted by ``CommStats``), not DDP's
+    #: C++ reducer: ``CommStats`` adds no estimate of DDP's gradient bytes on top
+    reports_communication: ClassVar[bool] = True
+
     def __init__(
         self,
         codec: str = "hylo",
@@ -122,7 +126,7 @@ class HyloCompression(Callback):
         overlap: bool | None = None,
         reconstruction: str = "mean",
         block_size: int | None = 512,
-        piece_numel: int | str | None = "auto",
+        piece_numel: int | Literal["auto"] | None = "auto",
         policy: HyloPolicy | None = None,
     ) -> None:
         check(self)  # this Lightning has every private name we use (compat.private)
@@ -180,11 +184,6 @@ class HyloCompression(Callback):
         return self.hook.calls if self.hook is not None else 0
 
     # -- attach ---------------------------------------------------------------------------
-
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        # The hook communicates through Python collectives (counted by CommStats), not DDP's
-        # C++ reducer: tell CommStats not to add DDP's analytic gradient bytes as well.
-        trainer.strategy.reports_communication = True  # type: ignore[attr-defined]
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         ddp = trainer.strategy.model

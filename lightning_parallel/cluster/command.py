@@ -102,7 +102,8 @@ def _parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="KIND:TARGET@SECONDS",
-        help="inject a fault SECONDS after the start: kill:RANK (SIGKILL), freeze:RANK "
+        help="inject a fault SECONDS after the start (or @stepN: once the target printed "
+        "'[progress] rank R step N' for N or later): kill:RANK (SIGKILL), freeze:RANK "
         "(SIGSTOP) or link:HOST (drop the host's link); repeat for several",
     )
     parser.add_argument(

@@ -1,7 +1,11 @@
 """Faults injected into a simulated cluster run: kill a rank, freeze it, or cut a host's link.
 
 A fault is written ``KIND:TARGET@SECONDS`` and happens ``SECONDS`` after the run's processes
-start (:func:`parse_fault`):
+start, or ``KIND:TARGET@stepN`` and happens once the targeted process says it finished
+training step ``N`` (:func:`parse_fault`). A step does not move when start-up is slow (a busy
+machine, a cold cache), so tests and comparisons across runs inject by step. The process says
+so by printing ``[progress] rank R step N`` (the benchmark's worker does, for the steps listed
+in :data:`STEPS_VARIABLE`); for ``link`` the step is the host's first process's:
 
 =================  ===========================================================================
 ``kill:R@S``       SIGKILL to global rank ``R``'s process group: the process dies at once, the
@@ -32,7 +36,16 @@ from dataclasses import dataclass
 __all__: list[str] = []
 
 FAULT_KINDS = ("kill", "freeze", "link")
-_FAULT = re.compile(r"^\s*([a-z]+)\s*:\s*(\d+)\s*@\s*(\d+(?:\.\d+)?)\s*s?\s*$")
+_FAULT = re.compile(r"^\s*([a-z]+)\s*:\s*(\d+)\s*@\s*(step)?\s*(\d+(?:\.\d+)?)\s*(s?)\s*$")
+#: the environment variable that lists, comma-separated, the steps a process is to report
+STEPS_VARIABLE = "LIGHTNING_PARALLEL_REPORT_STEPS"
+_REPORT = re.compile(r"^\[progress\] rank \d+ step (\d+)\s*$")
+
+
+def reported_step(line: str) -> int | None:
+    """The step in a ``[progress] rank R step N`` line, else ``None``."""
+    match = _REPORT.match(line.strip())
+    return int(match.group(1)) if match else None
 
 
 @dataclass(frozen=True)
@@ -42,15 +55,18 @@ class Fault:
     Attributes:
         kind: ``"kill"``, ``"freeze"`` (target: a global rank) or ``"link"`` (target: a host).
         target: the global rank, or the host index for ``link``.
-        at: seconds after the run's processes start.
+        at: seconds after the run's processes start (0 for a fault at a step).
+        step: the training step after which it happens (``None``: at ``at`` seconds).
     """
 
     kind: str
     target: int
     at: float
+    step: int | None = None
 
     def __str__(self) -> str:
-        return f"{self.kind}:{self.target}@{self.at:g}"
+        when = f"step{self.step}" if self.step is not None else f"{self.at:g}"
+        return f"{self.kind}:{self.target}@{when}"
 
     @property
     def targets_host(self) -> bool:
@@ -66,19 +82,27 @@ class Fault:
 
 
 def parse_fault(text: str) -> Fault:
-    """``"kill:1@20"`` -> ``Fault("kill", 1, 20.0)``.
+    """``"kill:1@20"`` -> ``Fault("kill", 1, 20.0)``; ``"kill:1@step30"`` -> ``Fault("kill", 1,
+    0.0, step=30)``.
 
     Raises:
         ValueError: an unknown kind or a malformed text; the message shows the form.
     """
     match = _FAULT.match(text.lower())
-    if not match or match.group(1) not in FAULT_KINDS:
+    by_step = match is not None and match.group(3) is not None
+    if (
+        not match
+        or match.group(1) not in FAULT_KINDS
+        or (by_step and ("." in match.group(4) or match.group(5)))
+    ):
         raise ValueError(
             f"fault {text!r} is not understood; write kill:RANK@SECONDS (SIGKILL), "
             "freeze:RANK@SECONDS (SIGSTOP) or link:HOST@SECONDS (drop the host's link), "
-            "e.g. kill:1@20"
+            "e.g. kill:1@20, or @stepN for once the rank finished training step N: kill:1@step30"
         )
-    return Fault(match.group(1), int(match.group(2)), float(match.group(3)))
+    if by_step:
+        return Fault(match.group(1), int(match.group(2)), 0.0, step=int(match.group(4)))
+    return Fault(match.group(1), int(match.group(2)), float(match.group(4)))
 
 
 def check_faults(faults: Sequence[Fault], hosts: int, world_size: int) -> None:

@@ -42,7 +42,14 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import IO, TextIO
 
-from lightning_parallel.cluster.faults import AppliedFault, Fault, ProcessEnd, check_faults
+from lightning_parallel.cluster.faults import (
+    STEPS_VARIABLE,
+    AppliedFault,
+    Fault,
+    ProcessEnd,
+    check_faults,
+    reported_step,
+)
 from lightning_parallel.cluster.local import LocalHosts
 from lightning_parallel.cluster.memory import MemoryCaps, OutOfMemory
 from lightning_parallel.cluster.network import Host, SimulatedNetwork
@@ -125,6 +132,7 @@ class _Process:
     reader: threading.Thread | None = None
     last_output: float = field(default_factory=time.monotonic)  # when it last printed a line
     out_of_memory: OutOfMemory | None = None
+    step: int = -1  # the latest training step it reported (``[progress] rank R step N``)
 
 
 @dataclass
@@ -172,6 +180,9 @@ def _stream(process: _Process, output: IO[str] | None, lock: threading.Lock) -> 
         process.tail.append(line)
         if line.strip():
             process.end.last_line = line.strip()
+            step = reported_step(line)
+            if step is not None:
+                process.step = max(process.step, step)
         if output is not None:
             with lock:
                 output.write(f"[{process.label}] {line}\n")
@@ -254,10 +265,13 @@ def run_on_hosts(
     sink = None if quiet else (output if output is not None else sys.stdout)
     processes: list[_Process] = []
     faulted = {f.target for f in faults if not f.targets_host}
+    steps = sorted({f.step for f in faults if f.step is not None})
     try:
         for host in network.hosts:
             for local_rank in range(procs_per_host):
                 env = dict(os.environ)
+                if steps:
+                    env[STEPS_VARIABLE] = ",".join(str(step) for step in steps)
                 env.update(extra_env or {})
                 env.update(
                     cluster_environment(
@@ -332,7 +346,7 @@ class _FaultyRun:
         self.network = network
         self.memory = memory
         self.processes = processes
-        self.pending = sorted((AppliedFault(fault) for fault in faults), key=lambda f: f.fault.at)
+        self.pending = [AppliedFault(fault) for fault in faults]
         self.applied: list[AppliedFault] = []
         self.timeout = timeout
         self.hang_after = hang_after
@@ -351,11 +365,22 @@ class _FaultyRun:
             return
         _signal_group(process, signal.SIGKILL if fault.kind == "kill" else signal.SIGSTOP)
 
+    def _due(self, fault: Fault, now: float) -> bool:
+        """Its second has come, or its target reported the step (``link``: the host's first
+        process)."""
+        if fault.step is None:
+            return fault.at <= now
+        if fault.targets_host:
+            target = next(p for p in self.processes if p.end.host == fault.target)
+        else:
+            target = next(p for p in self.processes if p.end.rank == fault.target)
+        return target.step >= fault.step
+
     def wait(self) -> ClusterRun:
         while True:
             now = time.monotonic() - self.start
-            while self.pending and self.pending[0].fault.at <= now:
-                applied = self.pending.pop(0)
+            for applied in [f for f in self.pending if self._due(f.fault, now)]:
+                self.pending.remove(applied)
                 self._apply(applied, now)
                 self.applied.append(applied)
             for process in self.processes:

@@ -344,9 +344,35 @@ class Survivors:
                     return
 
     def close(self) -> None:
-        """Stop the watchdog and let the lanes end (blocked ones die with the process)."""
+        """Say this rank is done; rank 0 lingers until every member is; stop; let the lanes end.
+
+        Rank 0 hosts the store, and a rank still reading the votes of the last collective
+        (Lightning's barrier before the last checkpoint, say) would find it gone if rank 0's
+        process ended first. So rank 0 waits, its watchdog still running, until every member of
+        the newest view has written ``closed/<rank>`` or has been declared lost, for at most
+        ``2 * timeout + 10`` seconds (a member alive but stuck). Blocked lanes die with the
+        process.
+        """
+        try:
+            self.store.set(f"closed/{self.rank}", "1")
+            if self._watchdog is not None:
+                self._linger(deadline=time.monotonic() + 2 * self.timeout + 10.0)
+        except Exception:  # the store is gone (rank 0 lost): nothing to wait for
+            pass
         self._closed = True
         if self._watchdog is not None:
             self._watchdog.stop(wait=False)
         for lane in self._lanes.values():
             lane.close()
+
+    def _linger(self, deadline: float) -> None:
+        while time.monotonic() < deadline:
+            keys = [f"closed/{rank}" for rank in self._published if rank != self.rank]
+            if not keys or self.store.check(keys):
+                return
+            time.sleep(0.02)
+        log.warning(
+            "rank 0 stopped waiting for ranks %s to finish after %.0f s",
+            [rank for rank in self._published if not self.store.check([f"closed/{rank}"])],
+            2 * self.timeout + 10.0,
+        )

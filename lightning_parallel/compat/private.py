@@ -182,6 +182,29 @@ PRIVATE_USES: tuple[PrivateUse, ...] = (
         "set in __init__",
         "Timer(interval='step'), which parameter-server workers refuse",
     ),
+    PrivateUse(
+        "core.module",
+        "LightningModule",
+        "_trainer",
+        "set in __init__",
+        "the trainer a module is attached to, or None (the public property raises instead)",
+    ),
+    PrivateUse(
+        "core.optimizer",
+        "LightningOptimizer",
+        "_optimizer",
+        "set in __init__",
+        "the user's optimizer inside Lightning's wrapper, which the pipelines rebuild over a "
+        "stage's parameters",
+    ),
+    PrivateUse(
+        "plugins.precision",
+        "Precision",
+        "_after_closure",
+        "attribute",
+        "Lightning's work before an optimizer step (the hooks, then clipping), which SpecTrain "
+        "runs itself: its stages step inside the pipeline, not in optimizer_step",
+    ),
 )
 
 
@@ -330,6 +353,16 @@ def layer_sync(strategy: Any) -> Any:
 def attached_trainer(module: Any) -> Any:
     """The trainer ``module`` is attached to, or ``None`` (``LightningModule.trainer`` raises)."""
     return getattr(module, "_trainer", None)
+
+
+def unwrapped_optimizer(optimizer: Any) -> Any:
+    """The optimizer inside a ``LightningOptimizer`` (any other optimizer as it is)."""
+    return getattr(optimizer, "_optimizer", optimizer)
+
+
+def after_closure(precision: Any, module: Any, optimizer: Any) -> None:
+    """Lightning's pre-step work (``on_before_optimizer_step`` hooks, then gradient clipping)."""
+    precision._after_closure(module, optimizer)
 
 
 def state_key(callback: Any, **options: Any) -> str:

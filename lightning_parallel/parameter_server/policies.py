@@ -108,12 +108,14 @@ def staleness_scaling(name: str, decay: float = 0.5) -> StalenessScaling:
     )
 
 
-def _optional_count(name: str, value: int | float | str | None, minimum: int) -> int | None:
-    """``None``, ``inf`` or ``"inf"`` mean unbounded; otherwise an integer >= ``minimum``."""
-    if value is None or (isinstance(value, str) and value.strip().lower() in ("inf", "none")):
+def _optional_count(name: str, value: int | float | None, minimum: int) -> int | None:
+    """``None`` or ``math.inf`` mean unbounded; otherwise an integer >= ``minimum``."""
+    if value is None or (isinstance(value, float) and math.isinf(value)):
         return None
-    if isinstance(value, float) and math.isinf(value):
-        return None
+    if isinstance(value, (str, bool)) or not isinstance(value, (int, float)):
+        raise ValueError(
+            f"{name} must be an integer >= {minimum} or None (unbounded); got {value!r}"
+        )
     number = int(value)
     if number != float(value) or number < minimum:
         raise ValueError(

@@ -194,7 +194,7 @@ def restrict_optimizers(
     did; the ``schedulers`` of an optimizer are pointed at its replacement.
 
     Args:
-        optimizers: the user's optimizers (or wrappers with the optimizer in ``_optimizer``).
+        optimizers: the user's optimizers (not Lightning's wrappers).
         owned: this rank's tensors.
         replaced: ``id(tensor before) -> tensor now`` (:attr:`Ownership.replaced`).
         names: ``id(tensor) -> name`` for every tensor of the model, taken before any was
@@ -209,7 +209,7 @@ def restrict_optimizers(
     owned_ids = {id(t) for t in owned}
     rebuilt = []
     for optimizer in optimizers:
-        inner = getattr(optimizer, "_optimizer", optimizer)
+        inner = optimizer
         keep: dict[int, nn.Parameter] = {}
         for group in inner.param_groups:
             for parameter in group["params"]:

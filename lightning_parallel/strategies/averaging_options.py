@@ -33,7 +33,7 @@ from lightning_parallel.averaging.outer_optimizer import (
 from lightning_parallel.averaging.policies import check_choice
 from lightning_parallel.averaging.quantize import OUTER_DTYPES
 from lightning_parallel.averaging.rounds import check_alpha, check_sync_delay
-from lightning_parallel.strategies.arguments import optional_bool
+from lightning_parallel.strategies.arguments import optional_bool, optional_float, optional_int
 
 __all__: list[str] = []
 
@@ -222,28 +222,3 @@ def _outer_optimizer_factory(
         [torch.zeros(1)], **options
     )
     return functools.partial(optimizer_class, **options)
-
-
-def optional_int(name: str, value: object) -> int | None:
-    if value is None or (isinstance(value, str) and value.lower() in ("none", "")):
-        return None
-    if isinstance(value, bool):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
-    try:
-        number = float(value) if isinstance(value, str) else value
-    except ValueError as error:
-        raise ValueError(f"{name} must be an integer, got {value!r}") from error
-    if not isinstance(number, (int, float)) or int(number) != number:
-        raise ValueError(f"{name} must be an integer, got {value!r}")
-    return int(number)
-
-
-def optional_float(name: str, value: object) -> float | None:
-    if value is None or (isinstance(value, str) and value.lower() in ("none", "")):
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        raise ValueError(f"{name} must be a number, got {value!r}")
-    try:
-        return float(value)
-    except ValueError as error:
-        raise ValueError(f"{name} must be a number, got {value!r}") from error

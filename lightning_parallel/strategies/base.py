@@ -39,6 +39,7 @@ from typing import Any, ClassVar
 import pytorch_lightning as pl
 import torch
 import torch.distributed as dist
+from pytorch_lightning.callbacks import Callback
 from pytorch_lightning.strategies import DDPStrategy
 from pytorch_lightning.utilities.exceptions import SIGTERMException
 from pytorch_lightning.utilities.rank_zero import rank_zero_warn
@@ -56,6 +57,7 @@ from lightning_parallel.comm.liveness import (
 )
 from lightning_parallel.compat import check
 from lightning_parallel.compat.private import (
+    attached_trainer,
     check_start_method,
     make_launcher,
     replace_sigterm_broadcast,
@@ -119,7 +121,12 @@ class ParallelStrategyBase(DDPStrategy):
             ones), or a ``timeout`` that is not a ``timedelta``.
     """
 
+    #: whether the model is wrapped in ``DistributedDataParallel`` (its keywords are accepted)
     wraps_in_ddp: ClassVar[bool] = True
+    #: whether every byte the strategy sends goes through Python collectives that
+    #: :mod:`~lightning_parallel.comm.accounting` counts (``CommStats`` then adds no estimate
+    #: of DDP's C++ allreduce on top); a callback may say the same of itself
+    reports_communication: ClassVar[bool] = False
 
     def __init__(
         self, start_method: str = "popen", timeout: timedelta | None = None, **kwargs: Any
@@ -144,6 +151,16 @@ class ParallelStrategyBase(DDPStrategy):
         #: the run raised (on_exception): teardown waits for nothing a lost peer may block
         self.failed = False
         self._restore_sigterm: Callable[[], None] | None = None
+        self._attached: list[tuple[list[Callback], Callback]] = []
+
+    def strategy_callbacks(self, trainer: pl.Trainer) -> list[Callback]:
+        """The callbacks this strategy needs on ``trainer`` (default: none).
+
+        They are attached once, in :meth:`setup_environment` (before Lightning restores
+        callback state from a checkpoint, so theirs comes back on a resume), and removed at
+        :meth:`teardown`; one already on the trainer is left as it is.
+        """
+        return []
 
     @classmethod
     def _pass_through_keywords(cls) -> set[str]:
@@ -219,12 +236,20 @@ class ParallelStrategyBase(DDPStrategy):
         set_group_timeout(self.collective_timeout)
         super().setup_environment()
         self._start_liveness()
+        module = self.lightning_module
+        trainer = attached_trainer(module) if module is not None else None
+        if trainer is not None:
+            callbacks: list[Callback] = trainer.callbacks
+            for callback in self.strategy_callbacks(trainer):
+                if callback not in callbacks:
+                    callbacks.append(callback)
+                    self._attached.append((callbacks, callback))
 
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
-        module = self._lightning_module
-        trainer = getattr(module, "_trainer", None) if module is not None else None
+        module = self.lightning_module
+        trainer = attached_trainer(module) if module is not None else None
         if trainer is not None and self.world_size > 1 and self._restore_sigterm is None:
             self._restore_sigterm = replace_sigterm_broadcast(
                 trainer, _sigterm_broadcast(trainer), keep_existing=True
@@ -241,8 +266,8 @@ class ParallelStrategyBase(DDPStrategy):
 
     def set_activity(self, what: str) -> None:
         """Record what this rank does now, prefixed with the step (shown if a peer fails)."""
-        module = self._lightning_module
-        trainer = getattr(module, "_trainer", None) if module is not None else None
+        module = self.lightning_module
+        trainer = attached_trainer(module) if module is not None else None
         step = trainer.global_step if trainer is not None else 0
         set_activity(f"step {step}: {what}")
 
@@ -265,6 +290,10 @@ class ParallelStrategyBase(DDPStrategy):
 
     @override
     def teardown(self) -> None:
+        while self._attached:
+            callbacks, callback = self._attached.pop()
+            if callback in callbacks:
+                callbacks.remove(callback)
         liveness, self._liveness = self._liveness, None
         if liveness is not None:
             liveness.stop(wait=not self.failed)

@@ -108,7 +108,6 @@ class GroPipeStrategy(PipelineStrategyBase):
             ``process_group_backend``), passed on by :class:`ParallelStrategyBase`.
     """
 
-    strategy_name = "gropipe"
     schedule: Schedule  # always one (the base's may be None: a pipeline without a schedule)
 
     def __init__(

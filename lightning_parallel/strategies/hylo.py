@@ -17,13 +17,22 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
+import pytorch_lightning as pl
+from pytorch_lightning.callbacks import Callback
 from typing_extensions import override
 
 from lightning_parallel.callbacks.hylo import HyloCompression
 from lightning_parallel.compat import register_strategy
 from lightning_parallel.compat.private import attached_trainer
 from lightning_parallel.compression.policy import MIN_COMPRESS_NUMEL
-from lightning_parallel.strategies.arguments import as_bool, optional_bool
+from lightning_parallel.strategies.arguments import (
+    as_bool,
+    as_float,
+    as_int,
+    optional_bool,
+    optional_float,
+    optional_int,
+)
 from lightning_parallel.strategies.base import ParallelStrategyBase
 
 __all__: list[str] = []
@@ -65,18 +74,18 @@ class HyloStrategy(ParallelStrategyBase):
     def __init__(
         self,
         codec: str = "hylo",
-        conv_rate: float | str = 0.05,
-        fc_bits: int | str = 2,
-        threshold_factor: float | str = 1.0,
-        min_compress_numel: int | str = MIN_COMPRESS_NUMEL,
-        warmup_steps: int | str = 0,
+        conv_rate: float = 0.05,
+        fc_bits: int = 2,
+        threshold_factor: float = 1.0,
+        min_compress_numel: int = MIN_COMPRESS_NUMEL,
+        warmup_steps: int = 0,
         exchange: str = "auto",
-        cost_model: bool | str = True,
-        bandwidth: float | str | None = None,
-        overlap: bool | str | None = None,
+        cost_model: bool = True,
+        bandwidth: float | None = None,
+        overlap: bool | None = None,
         reconstruction: str = "mean",
-        block_size: int | str | None = 512,
-        piece_numel: int | str | None = "auto",
+        block_size: int | None = 512,
+        piece_numel: int | Literal["auto"] | None = "auto",
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         **kwargs: Any,
     ) -> None:
@@ -88,18 +97,18 @@ class HyloStrategy(ParallelStrategyBase):
         super().__init__(start_method=start_method, **kwargs)
         self.hylo = HyloCompression(
             codec=codec,
-            conv_rate=float(conv_rate),
-            fc_bits=int(fc_bits),
-            threshold_factor=float(threshold_factor),
-            min_compress_numel=int(min_compress_numel),
-            warmup_steps=int(warmup_steps),
+            conv_rate=as_float("conv_rate", conv_rate),
+            fc_bits=as_int("fc_bits", fc_bits),
+            threshold_factor=as_float("threshold_factor", threshold_factor),
+            min_compress_numel=as_int("min_compress_numel", min_compress_numel),
+            warmup_steps=as_int("warmup_steps", warmup_steps),
             exchange=exchange,
             cost_model=as_bool("cost_model", cost_model),
-            bandwidth=float(bandwidth) if bandwidth is not None else None,
+            bandwidth=optional_float("bandwidth", bandwidth),
             overlap=optional_bool("overlap", overlap),
             reconstruction=reconstruction,
-            block_size=None if block_size in (None, "none", "None") else int(block_size),
-            piece_numel=_piece_numel(piece_numel),
+            block_size=optional_int("block_size", block_size),
+            piece_numel=piece_numel,
         )
 
     @property
@@ -107,33 +116,15 @@ class HyloStrategy(ParallelStrategyBase):
         """Times DDP called the Hylo hook on this rank (tests and the benchmark read it)."""
         module = self.lightning_module
         trainer = attached_trainer(module) if module is not None else None
-        callbacks = trainer.callbacks if trainer is not None else [self.hylo]
-        return sum(c.hook_calls for c in callbacks if isinstance(c, HyloCompression))
+        given = [c for c in trainer.callbacks if isinstance(c, HyloCompression)] if trainer else []
+        return sum(c.hook_calls for c in given) if given else self.hylo.hook_calls
 
     @override
-    def setup_environment(self) -> None:
-        super().setup_environment()
-        # Added here, before Lightning calls the callbacks' setup and restores their state from
-        # a checkpoint, so the residuals come back on resume.
-        module = self.lightning_module
-        assert module is not None, "Lightning connects the model before setup_environment"
-        trainer: Any = module.trainer
-        if not any(isinstance(callback, HyloCompression) for callback in trainer.callbacks):
-            trainer.callbacks.append(self.hylo)
-
-
-def _piece_numel(value: int | str | None) -> int | str | None:
-    """``piece_numel`` as a command line gives it: ``"auto"``, ``"none"`` or a number."""
-    if value in (None, "none", "None"):
-        return None
-    if value == "auto" or isinstance(value, int):
-        return value
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError(
-            f'piece_numel must be a positive number of values, "none" or "auto", got {value!r}'
-        ) from None
+    def strategy_callbacks(self, trainer: pl.Trainer) -> list[Callback]:
+        # the strategy's own Hylo, unless the trainer was given one
+        callbacks: list[Callback] = trainer.callbacks  # type: ignore[attr-defined]
+        given = any(isinstance(callback, HyloCompression) for callback in callbacks)
+        return [] if given else [self.hylo]
 
 
 register_strategy(

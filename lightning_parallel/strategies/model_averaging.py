@@ -96,7 +96,7 @@ from lightning_parallel.comm.tree import ranks_per_host_from_environment
 from lightning_parallel.compat import register_strategy
 from lightning_parallel.compat.private import layer_sync
 from lightning_parallel.compat.types import StrPath
-from lightning_parallel.strategies.arguments import optional_bool
+from lightning_parallel.strategies.arguments import optional_bool, optional_float, optional_int
 from lightning_parallel.strategies.averaging_checkpoints import (
     CHECKPOINT_KEY as CHECKPOINT_KEY,  # the key's home for users of this module
 )
@@ -104,8 +104,6 @@ from lightning_parallel.strategies.averaging_checkpoints import AveragingCheckpo
 from lightning_parallel.strategies.averaging_options import (
     VALIDATION_POLICIES,
     averager_factory,
-    optional_float,
-    optional_int,
     streaming_options,
 )
 from lightning_parallel.strategies.worker_loss import heartbeat_seconds, resolve_worker_loss
@@ -218,31 +216,31 @@ class ModelAveragingStrategy(AveragingCheckpoints):
     def __init__(
         self,
         algorithm: str | Averager = "periodic",
-        period: int | str | None = 8,
-        warmup_steps: int | str = 0,
+        period: int | None = 8,
+        warmup_steps: int = 0,
         buffers: Literal["average", "local"] = "average",
         optimizer_state: Literal["keep", "average", "reset"] = "keep",
         reduce: Literal["flat", "tree"] = "flat",
-        overlap: bool | str = False,
+        overlap: bool = False,
         before_validation: Literal["round", "mean", "global"] = "round",
-        fragments: int | str = 1,
-        sync_delay: int | str | None = None,
-        fragment_update_alpha: float | str | None = None,
+        fragments: int = 1,
+        sync_delay: int | None = None,
+        fragment_update_alpha: float | None = None,
         outer_dtype: Literal["fp32", "bf16", "int8", "int4"] = "fp32",
-        outer_error_feedback: bool | str = False,
+        outer_error_feedback: bool = False,
         worker_loss: Literal["stop", "continue"] = "stop",
-        heartbeat_timeout: float | str | None = None,
-        ranks_per_host: int | str | None = None,
-        block_momentum: float | str | None = None,
-        block_learning_rate: float | str | None = None,
-        nesterov: bool | str | None = None,
-        alpha: float | str | None = None,
-        beta: float | str | None = None,
-        center_first: bool | str | None = None,
+        heartbeat_timeout: float | None = None,
+        ranks_per_host: int | None = None,
+        block_momentum: float | None = None,
+        block_learning_rate: float | None = None,
+        nesterov: bool | None = None,
+        alpha: float | None = None,
+        beta: float | None = None,
+        center_first: bool | None = None,
         outer_optimizer: str | OuterOptimizerFactory | None = None,
-        outer_lr: float | str | None = None,
-        outer_momentum: float | str | None = None,
-        outer_nesterov: bool | str | None = None,
+        outer_lr: float | None = None,
+        outer_momentum: float | None = None,
+        outer_nesterov: bool | None = None,
         timeout: timedelta | None = DEFAULT_TIMEOUT,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         **kwargs: Any,

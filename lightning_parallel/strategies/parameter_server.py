@@ -72,7 +72,7 @@ from lightning_parallel.parameter_server.policies import UpdatePolicy
 from lightning_parallel.parameter_server.protocol import parse_wire_dtype
 from lightning_parallel.parameter_server.runtime import ParameterServerRuntime, check_overlap
 from lightning_parallel.parameter_server.survivors import LostWorkers
-from lightning_parallel.strategies.arguments import as_bool
+from lightning_parallel.strategies.arguments import as_bool, as_float, as_int
 from lightning_parallel.strategies.parameter_server_collectives import ParameterServerCollectives
 from lightning_parallel.strategies.parameter_server_fit import ParameterServerHooks, check_fit
 from lightning_parallel.strategies.worker_loss import (
@@ -132,7 +132,6 @@ class ParameterServerStrategy(ParameterServerCollectives):
             ``process_group_backend``), passed on by :class:`ParallelStrategyBase`.
     """
 
-    strategy_name = "parameter_server"
     #: CommStats must not add DDP's analytic allreduce bytes: this strategy reports its own.
     reports_communication = True
     wraps_in_ddp = False  # no DistributedDataParallel: its keywords are refused
@@ -141,13 +140,13 @@ class ParameterServerStrategy(ParameterServerCollectives):
         self,
         staleness: str = "inverse",
         softsync: int = 1,
-        softsync_wait: bool | str = True,
-        max_staleness: int | float | str | None = None,
+        softsync_wait: bool = True,
+        max_staleness: int | float | None = None,
         dc: float = 0.0,
-        lr_scale: float | str = "auto",
-        overlap: bool | str = False,
+        lr_scale: float | Literal["auto"] = "auto",
+        overlap: bool = False,
         wire_dtype: str | None = None,
-        drop_staleness: int | float | str | None = None,
+        drop_staleness: int | float | None = None,
         staleness_decay: float = 0.5,
         server_rank: int = 0,
         shards: int = 1,
@@ -159,21 +158,21 @@ class ParameterServerStrategy(ParameterServerCollectives):
     ) -> None:
         self.policy = UpdatePolicy(
             staleness=str(staleness),
-            staleness_decay=float(staleness_decay),
+            staleness_decay=as_float("staleness_decay", staleness_decay),
             drop_staleness=drop_staleness,  # type: ignore[arg-type]
             softsync=softsync,
             softsync_wait=as_bool("softsync_wait", softsync_wait),
             max_staleness=max_staleness,  # type: ignore[arg-type]
-            delay_compensation=float(dc),
-            lr_scale=1.0 if lr_scale == "auto" else float(lr_scale),
+            delay_compensation=as_float("dc", dc),
+            lr_scale=1.0 if lr_scale == "auto" else as_float("lr_scale", lr_scale),
         )
         self.lr_scale_auto = lr_scale == "auto"
         self.overlap = as_bool("overlap", overlap)
         self.wire_dtype = parse_wire_dtype(wire_dtype)
         check_overlap(self.overlap, self.policy)
-        if int(server_rank) != server_rank or server_rank < 0:
+        if as_int("server_rank", server_rank) < 0:
             raise ValueError(f"server_rank must be a global rank >= 0, got {server_rank!r}")
-        if int(shards) != shards or shards < 1:
+        if as_int("shards", shards) < 1:
             raise ValueError(f"shards must be an integer >= 1, got {shards!r}")
         # an explicit NCCL backend refuses "continue" now; otherwise setup resolves the default
         resolve_worker_loss(worker_loss, str(kwargs.get("process_group_backend")))
@@ -199,6 +198,7 @@ class ParameterServerStrategy(ParameterServerCollectives):
         self._server_state: dict[str, Any] | None = None
         self._resume_server_state: dict[str, Any] | None = None
         self._restore: list[Callable[[], None]] = []
+        self._hooks = ParameterServerHooks(self.drain)
         self._limit: int | float = 1.0
         #: the ranks still in the run and their group, once a worker was lost
         self.lost_workers = LostWorkers()
@@ -278,10 +278,10 @@ class ParameterServerStrategy(ParameterServerCollectives):
                 # torchmetrics synchronises over the ranks still in the run (_collective)
                 metric.dist_sync_fn = self._gather_for_metrics
                 self._restore.append(functools.partial(setattr, metric, "dist_sync_fn", None))
-        hooks = ParameterServerHooks(self.drain)
-        callbacks: list[Callback] = trainer.callbacks  # type: ignore[attr-defined]
-        callbacks.append(hooks)
-        self._restore.append(lambda: callbacks.remove(hooks))
+
+    @override
+    def strategy_callbacks(self, trainer: pl.Trainer) -> list[Callback]:
+        return [self._hooks]
 
     @override
     def process_dataloader(self, dataloader: object) -> object:

@@ -51,6 +51,7 @@ from typing_extensions import override
 
 from lightning_parallel.comm.devices import side_group, to_group
 from lightning_parallel.comm.modules import broadcast_module_states, reduce_tensor
+from lightning_parallel.compat.private import attached_trainer, unwrapped_optimizer
 from lightning_parallel.pipeline.assembly import (
     Pipeline,
     assemble,
@@ -326,13 +327,17 @@ class PipelineStrategyBase(PipelineTraining):
         )
         self._boundaries, self.partition_plan = boundaries, plan
         self._apply_resume(self._pipeline)
-        trainer = getattr(module, "_trainer", None)
+        trainer = attached_trainer(module)
         fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
         if fitting and self.optimizers and self.owns_stages:
             # every optimizer rebuilt over this stage's parameters, its schedulers repointed
             schedulers = [config.scheduler for config in self.lr_scheduler_configs]
             self.optimizers = restrict_optimizers(
-                self.optimizers, self._pipeline.owned, self._replaced, self._names, schedulers
+                [unwrapped_optimizer(o) for o in self.optimizers],
+                self._pipeline.owned,
+                self._replaced,
+                self._names,
+                schedulers,
             )
             self._apply_resume_optimizers()
         return self._pipeline

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from typing_extensions import override
 
+from lightning_parallel.compat.private import unwrapped_optimizer
 from lightning_parallel.compat.types import StrPath
 from lightning_parallel.files import save_atomically
 from lightning_parallel.pipeline.assembly import Pipeline
@@ -98,7 +99,7 @@ class PipelineCheckpoints(ParallelStrategyBase):
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         """This rank's part of the optimizer state, in the layout of the user's optimizer over
         the whole model (:mod:`~lightning_parallel.pipeline.checkpoint_layout`)."""
-        inner = getattr(optimizer, "_optimizer", optimizer)
+        inner = unwrapped_optimizer(optimizer)
         names = getattr(inner, "_lp_parameter_names", None)
         if names is None or self._pipeline is None:
             return inner.state_dict()
@@ -200,7 +201,7 @@ class PipelineCheckpoints(ParallelStrategyBase):
         if states is None or self._pipeline is None:
             return
         for optimizer, saved in zip(self.optimizers, states):
-            inner = getattr(optimizer, "_optimizer", optimizer)
+            inner = unwrapped_optimizer(optimizer)
             names = getattr(inner, "_lp_parameter_names", None)
             if names is None:
                 inner.load_state_dict(saved)

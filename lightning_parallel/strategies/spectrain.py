@@ -60,6 +60,7 @@ from typing_extensions import override
 from lightning_parallel.comm.devices import side_group
 from lightning_parallel.comm.ledger import process_ledger
 from lightning_parallel.compat import register_strategy
+from lightning_parallel.compat.private import after_closure
 from lightning_parallel.pipeline.assembly import Pipeline
 from lightning_parallel.pipeline.grad_sync import PartitionGradientSync
 from lightning_parallel.pipeline.microbatch import MicroBatchStep
@@ -133,7 +134,6 @@ class SpecTrainStrategy(PipelineStrategyBase):
         timeout: collective timeout.
     """
 
-    strategy_name = "spectrain"
     reports_communication = True
     step_activity = "no-flush pipeline"
 
@@ -188,20 +188,13 @@ class SpecTrainStrategy(PipelineStrategyBase):
 
     # -- setup ---------------------------------------------------------------------------------
 
-    def _attach_callback(self) -> None:
-        module = self.lightning_module
-        trainer = getattr(module, "_trainer", None) if module is not None else None
-        if trainer is None:
-            return
-        callbacks: list[Callback] = trainer.callbacks
-        if self._callback not in callbacks:
-            callbacks.append(self._callback)
+    @override
+    def strategy_callbacks(self, trainer: pl.Trainer) -> list[Callback]:
+        return [self._callback]
 
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        # before Lightning restores callback state from a checkpoint (that precedes setup())
-        self._attach_callback()
         if self.stages > 1 and self._mirror_groups is None and self._topology is not None:
             # a gloo group of its own (host values), so the asynchronous exchange never queues
             # behind other work
@@ -224,7 +217,6 @@ class SpecTrainStrategy(PipelineStrategyBase):
             raise ValueError(
                 f"SpecTrainStrategy needs exactly one optimizer, got {len(self.optimizers)}"
             )
-        self._attach_callback()
         self._noflush = None
         self._mirror = None
 
@@ -276,7 +268,7 @@ class SpecTrainStrategy(PipelineStrategyBase):
 
         def before_update(parameters: list[nn.Parameter]) -> None:
             # Lightning's own pre-step work: hooks, then clipping (by norm: over all stages)
-            self.precision_plugin._after_closure(module, optimizer)
+            after_closure(self.precision_plugin, module, optimizer)
 
         self._noflush = NoFlushPipeline(
             self._pipeline.stages[k],

@@ -34,6 +34,7 @@ from lightning_parallel.comm.ledger import process_ledger
 from lightning_parallel.comm.liveness import default_store
 from lightning_parallel.comm.survivors import Survivors, View
 from lightning_parallel.compat.private import replace_sigterm_broadcast
+from lightning_parallel.strategies.arguments import optional_float
 from lightning_parallel.strategies.base import ParallelStrategyBase
 
 __all__: list[str] = []
@@ -73,13 +74,10 @@ def heartbeat_seconds(value: object, limit: float) -> float:
         ValueError: not a positive number, or not shorter than ``limit`` (a frozen rank must be
             declared lost before the others' collectives time out).
     """
-    if value is None or (isinstance(value, str) and value.lower() in ("", "none")):
+    seconds = optional_float("heartbeat_timeout", value)
+    if seconds is None:
         return min(60.0, limit / 2)
-    try:
-        seconds = float(value)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        seconds = float("nan")
-    if isinstance(value, bool) or not seconds > 0:
+    if not seconds > 0:
         raise ValueError(f"heartbeat_timeout must be > 0 seconds, got {value!r}")
     if seconds >= limit:
         raise ValueError(

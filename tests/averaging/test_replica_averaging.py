@@ -24,6 +24,7 @@ from lightning_parallel.averaging import (
     diloco_outer_optimizer,
 )
 from lightning_parallel.comm.ledger import CommLedger
+from lightning_parallel.comm.liveness import Liveness, default_store
 
 
 def _batch(rank: int, step: int) -> tuple[Tensor, Tensor]:
@@ -340,7 +341,13 @@ def test_resume_mid_round_continues_exactly() -> None:
 
 @pytest.mark.parametrize("overlap", [False, True])
 def test_a_dead_peer_makes_the_round_raise_not_hang(overlap: bool) -> None:
+    """Rank 1 dies before the round: rank 0's round raises (gloo's closed connection), and the
+    diagnosis the strategies attach to it (the heartbeats) names rank 1."""
+
     def run(rank: int, world: int) -> None:
+        store = default_store()
+        assert store is not None
+        liveness = Liveness(store, rank, world, interval=0.25)
         model = nn.Linear(4, 2)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         engine = _engine(model, optimizer, PeriodicAverager(), period=1, overlap=overlap)
@@ -348,10 +355,13 @@ def test_a_dead_peer_makes_the_round_raise_not_hang(overlap: bool) -> None:
         if rank == 1:
             os._exit(1)  # the peer dies before the round
         engine.count_optimizer_step()
-        engine.synchronize()
-        engine.finish()
+        try:
+            engine.synchronize()
+            engine.finish()
+        except RuntimeError as error:
+            raise RuntimeError(f"the round failed: {liveness.diagnose().text}") from error
 
-    with pytest.raises(RuntimeError, match="rank 0 failed"):
+    with pytest.raises(RuntimeError, match=r"rank 0 failed:(.|\n)*the round failed: rank 1 \("):
         run_distributed(run, 2, timeout=60)
 
 

@@ -66,6 +66,7 @@ def test_settings_deepspeeds_engine_cannot_follow_are_refused(
         strategy.setup(SimpleNamespace(**settings))  # type: ignore[arg-type]
 
 
+@pytest.mark.slow
 @needs_deepspeed
 def test_deepspeed_pipe_matches_single_device_with_gradients_past_norm_one() -> None:
     strategy = build_strategy("deepspeed_pipe:stages=2,micro_batches=4,start_method=fork")

@@ -23,7 +23,7 @@ pytestmark = [
 ]
 
 TIMEOUT = 10
-AT = 14.0
+STEP = 30  # the fault waits for the target's step 30, however long start-up takes
 FAMILIES = {
     "hylo": ("hylo", 1),
     "model_averaging": ("model_averaging:period=4", 1),
@@ -39,13 +39,13 @@ def test_a_lost_rank_ends_every_survivor_with_an_error_naming_it(tmp_path, famil
     spec, target = FAMILIES[family]
     spec += ("," if ":" in spec else ":") + f"timeout={TIMEOUT}"
     config = BenchConfig(
-        hosts=2, latency="0", model="mlp", max_steps=100_000, faults=[f"{kind}:{target}@{AT:g}"]
+        hosts=2, latency="0", model="mlp", max_steps=100_000, faults=[f"{kind}:{target}@step{STEP}"]
     )
     config.timeout = 240.0
     run = run_spec(spec, config, tmp_path)
     extra = run["extra"]
     assert not run["ok"], "a run ended by a fault is not ok"
-    assert extra["faults"][0]["applied_s"] == pytest.approx(AT, abs=1.0)
+    assert extra["faults"][0]["applied_s"] is not None
     assert extra["hung"] == [] and extra["orphans"] == 0
     survivors = [r for r in extra["ranks"] if not r["faulted"]]
     assert [r["rank"] for r in survivors] == [1 - target]
@@ -65,16 +65,16 @@ def test_a_lost_rank_ends_every_survivor_with_an_error_naming_it(tmp_path, famil
 
 @pytest.mark.parametrize("kind", ["kill", "freeze"])
 def test_the_parameter_server_goes_on_without_a_lost_worker(tmp_path, kind):
-    """Rank 1 (a worker, no shard) killed or frozen: rank 0 trains the rest of the run's
-    batches alone (about 10 s of them after the fault), says so, and the run is ok."""
+    """Rank 1 (a worker, no shard) killed or frozen after its step 30: rank 0 trains the rest
+    of the run's batches alone, says so, and the run is ok."""
     config = BenchConfig(
-        hosts=2, latency="0", model="mlp", max_steps=1500, faults=[f"{kind}:1@{AT:g}"]
+        hosts=2, latency="0", model="mlp", max_steps=600, faults=[f"{kind}:1@step{STEP}"]
     )
     config.timeout = 240.0
     run = run_spec(f"parameter_server:timeout={TIMEOUT}", config, tmp_path)
     extra = run["extra"]
     assert run["ok"], run["error"]
-    assert extra["faults"][0]["applied_s"] == pytest.approx(AT, abs=1.0)
+    assert extra["faults"][0]["applied_s"] is not None
     assert extra["hung"] == [] and extra["orphans"] == 0 and extra["survivors_within_bar"]
     (survivor,) = [r for r in extra["ranks"] if not r["faulted"]]
     assert survivor["rank"] == 0 and survivor["went_on"] and survivor["exit_code"] == 0

@@ -40,11 +40,11 @@ def test_a_link_fault_needs_the_simulated_network():
 @pytest.mark.faults
 def test_a_killed_loopback_rank_ends_the_survivor_with_an_error_not_a_hang(tmp_path):
     config = BenchConfig(
-        network="local", model="mlp", max_steps=100_000, faults=["kill:1@12"], timeout=240.0
+        network="local", model="mlp", max_steps=100_000, faults=["kill:1@step30"], timeout=240.0
     )
     run = run_spec("model_averaging:period=4,timeout=10", config, tmp_path)
     extra = run["extra"]
-    assert not run["ok"] and extra["faults"][0]["applied_s"] == pytest.approx(12.0, abs=1.0)
+    assert not run["ok"] and extra["faults"][0]["applied_s"] is not None
     assert extra["hung"] == [] and extra["orphans"] == 0
     (survivor,) = [rank for rank in extra["ranks"] if not rank["faulted"]]
     assert survivor["rank"] == 0 and survivor["exit_code"] not in (0, None)

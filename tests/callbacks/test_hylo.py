@@ -13,6 +13,7 @@ from pytorch_lightning.strategies import DDPStrategy, StrategyRegistry
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from lightning_parallel.bench.specs import build_strategy
 from lightning_parallel.callbacks import CommStats
 from lightning_parallel.callbacks.hylo import HyloCompression
 from lightning_parallel.strategies.hylo import HyloStrategy
@@ -167,29 +168,37 @@ def test_hylo_strategy_is_registered_and_attaches_the_callback() -> None:
     for name in ("hylo", "topk_ddp", "qsgd_ddp", "terngrad_ddp", "signsgd_ddp"):
         assert name in StrategyRegistry
     assert HyloStrategy.reports_communication is True
-    strategy = HyloStrategy(
-        start_method="fork",
-        warmup_steps="1",
-        conv_rate="0.2",
-        min_compress_numel="400",
-        cost_model="false",
-    )
+    # text is converted where it is read (a bench SPEC here), never by the constructor
+    spec = "hylo:start_method=fork,warmup_steps=1,conv_rate=0.2,min_compress_numel=400"
+    strategy = build_strategy(spec + ",cost_model=false")
+    assert isinstance(strategy, HyloStrategy)
     trainer, _ = _fit([], strategy=strategy, max_epochs=1)
     assert trainer.callback_metrics["hylo/hook_calls"].item() >= 4
     assert trainer.callback_metrics["hylo/steps"].item() == 4
-    # the command line's strings reach the 2-bit codec's block size
-    assert HyloStrategy(block_size="64").hylo.policy.two_bit_codec.block_size == 64
-    assert HyloStrategy(block_size="none").hylo.policy.two_bit_codec.block_size is None
+    assert build_strategy("hylo:block_size=64").hylo.policy.two_bit_codec.block_size == 64
+    assert build_strategy("hylo:block_size=none").hylo.policy.two_bit_codec.block_size is None
+    with pytest.raises(ValueError, match="block_size must be an integer, got the text '64'"):
+        HyloStrategy(block_size="64")  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("codec", ["topk", "qsgd", "terngrad", "signsgd"])
 def test_peer_codecs_train_through_the_strategy(codec: str) -> None:
+    """The codec ran: its bytes are a fraction of dense ones and the weights differ from ddp's."""
+    _, reference = _fit([], max_epochs=1)
     strategy = HyloStrategy(
-        codec=codec, start_method="fork", warmup_steps=1, min_compress_numel=400, cost_model=False
+        codec=codec,
+        start_method="fork",
+        warmup_steps=1,
+        min_compress_numel=400,
+        cost_model=False,
     )
-    trainer, weights = _fit([], strategy=strategy, max_epochs=1)
-    assert trainer.callback_metrics["hylo/steps"].item() == 4
+    strategy.hylo.telemetry_every_n_steps = 1  # the gauges after each of the 4 steps
+    trainer, weights = _fit([CommStats(gauges_every_n_steps=1)], strategy=strategy, max_epochs=1)
+    metrics = trainer.callback_metrics
+    assert metrics["hylo/steps"].item() == 4
     assert all(torch.isfinite(w).all() for w in weights.values())
+    assert not _same(weights, reference)
+    assert metrics["comm/hylo/layers.3.weight/compression_ratio"].item() > 2, codec
 
 
 def test_a_strategy_without_ddp_raises_a_clear_error() -> None:

@@ -15,7 +15,7 @@ from lightning_parallel.comm.liveness import Liveness, default_store
 from lightning_parallel.comm.survivors import LostRank, Survivors
 
 
-def _survivors(rank: int, world: int, timeout: float = 3.0) -> tuple[Survivors, Liveness]:
+def _survivors(rank: int, world: int, timeout: float = 6.0) -> tuple[Survivors, Liveness]:
     store = default_store()
     assert store is not None
     liveness = Liveness(store, rank, world, interval=0.25)
@@ -95,10 +95,10 @@ def test_a_rank_declared_lost_leaves_with_an_error_naming_it():
     """A rank that was frozen past the timeout and wakes up finds itself declared lost."""
 
     def fn(rank, world):
-        survivors, liveness = _survivors(rank, world, timeout=1.5)
+        survivors, liveness = _survivors(rank, world, timeout=4.0)
         if rank == 1:
             liveness.stop()  # its heartbeat stops, as if frozen
-            time.sleep(4.0)
+            time.sleep(9.0)
             with pytest.raises(LostRank, match="rank 1 was declared lost"):
                 survivors.call("main", _summed(1.0))
             default_store().set("test/left", "1")
@@ -136,3 +136,26 @@ def test_a_collective_finished_by_some_survivors_only_is_run_again_by_all():
 
     results = run_distributed(fn, 3, timeout=60, may_vanish={2})
     assert results[:2] == [(3.0, [0, 1])] * 2
+
+
+@pytest.mark.faults
+def test_rank_0_keeps_the_store_until_every_member_has_closed_or_is_lost():
+    """Rank 0 hosts the store: its ``close`` waits for rank 1, which reads the store 2 s after
+    the last collective (as a slow rank reads its last votes), and not for rank 2, which died
+    after it (declared lost within the heartbeat timeout, far sooner than the 22 s bound)."""
+
+    def fn(rank, world):
+        survivors, liveness = _survivors(rank, world)
+        survivors.call("main", _summed(1.0))
+        if rank == 2:
+            os._exit(1)
+        if rank == 1:
+            time.sleep(2.0)
+            survivors.store.set("late", "read")  # fails if rank 0's process has ended
+        start = time.monotonic()
+        survivors.close()
+        liveness.stop()
+        return time.monotonic() - start
+
+    lingered, _, _ = run_distributed(fn, 3, may_vanish={2}, timeout=60)
+    assert 1.5 < lingered < 16.0, lingered  # declared lost after 6 s; the bound is 22 s

@@ -155,6 +155,7 @@ def test_gpt_has_gpt2_small_size_and_refuses_images():
         build_model("gpt", input_shape=(3, 32, 32), num_classes=10)
 
 
+@pytest.mark.slow
 def test_the_corpus_is_a_markov_chain_a_gpt_learns(tmp_path):
     data = build_datamodule("corpus", batch_size=32, num_samples=2048)
     data.setup()

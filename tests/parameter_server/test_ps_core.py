@@ -80,7 +80,9 @@ def test_policy_rejects_bad_arguments_with_the_fix(kwargs, message):
 
 
 def test_policy_reads_inf_and_text_as_unbounded():
-    assert UpdatePolicy(max_staleness="inf").max_staleness is None
+    assert UpdatePolicy(max_staleness=math.inf).max_staleness is None
+    with pytest.raises(ValueError, match="max_staleness must be an integer"):
+        UpdatePolicy(max_staleness="inf")  # type: ignore[arg-type]  (text: converted at edges)
     assert UpdatePolicy(max_staleness=float("inf")).max_staleness is None
     assert UpdatePolicy(max_staleness=2.0).max_staleness == 2
 

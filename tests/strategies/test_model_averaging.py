@@ -21,6 +21,7 @@ from lightning_parallel.averaging import (
     OuterOptimizerAverager,
     replica_files,
 )
+from lightning_parallel.bench.specs import parse_spec
 from lightning_parallel.strategies.model_averaging import CHECKPOINT_KEY, ModelAveragingStrategy
 
 
@@ -378,8 +379,9 @@ def test_registered_names_and_bench_style_construction() -> None:
     for name, algorithm in expected.items():
         entry = StrategyRegistry[name]
         assert entry["strategy"] is ModelAveragingStrategy
-        # the bench passes the spec's values as they come from the command line
-        strategy = entry["strategy"](**{**entry["init_params"], "period": "8", "reduce": "tree"})
+        # the bench converts the SPEC's text at its edge, then constructs as Python does
+        options = parse_spec(f"{name}:period=8,reduce=tree").options
+        strategy = entry["strategy"](**{**entry["init_params"], **options})
         assert strategy.algorithm == algorithm
         assert strategy.period == 8
         assert strategy.reduce_kind == "tree"
@@ -405,7 +407,7 @@ def test_registered_names_and_bench_style_construction() -> None:
     # the algorithm's name gives the same defaults as the registered preset
     named = ModelAveragingStrategy(algorithm="easgd")._make_averager()
     assert isinstance(named, ElasticAverager) and named.center_first
-    paper = ModelAveragingStrategy(algorithm="easgd", center_first="false")._make_averager()
+    paper = ModelAveragingStrategy(algorithm="easgd", center_first=False)._make_averager()
     assert isinstance(paper, ElasticAverager) and not paper.center_first
     assert StrategyRegistry["diloco"]["init_params"]["period"] == 16
     assert StrategyRegistry["easgd"]["init_params"]["period"] == 4

@@ -248,6 +248,7 @@ def test_mid_epoch_validation_is_refused():
         _trainer(ParameterServerStrategy(start_method="fork"), val_check_interval=0.5).fit(_Tiny())
 
 
+@pytest.mark.faults
 def test_killed_worker_stops_lightning_ranks_naming_it(tmp_path):
     """Processes started outside Lightning (as the benchmark does); rank 2 dies mid-epoch and
     ``worker_loss="stop"`` ends the run on the others."""
@@ -296,6 +297,7 @@ class _Measured(_Tiny):
         super().validation_step(batch, batch_idx)
 
 
+@pytest.mark.faults
 @pytest.mark.parametrize("when", ["training", "validation"])
 def test_the_others_go_on_without_a_killed_worker_and_say_so(tmp_path, when):
     """Rank 2 of 3 dies in the first epoch, in its training (the others learn it at the drain)

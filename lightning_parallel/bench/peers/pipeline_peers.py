@@ -41,6 +41,7 @@ from torch import Tensor
 from lightning_parallel.bench.peers.layers import peer_layers
 from lightning_parallel.bench.specs import register_baseline
 from lightning_parallel.comm.ledger import process_ledger
+from lightning_parallel.compat.private import unwrapped_optimizer
 from lightning_parallel.pipeline.assembly import Pipeline
 from lightning_parallel.pipeline.grad_sync import SyncTiming
 from lightning_parallel.pipeline.microbatch import merge_microbatches
@@ -262,7 +263,7 @@ class DeepSpeedPipeStrategy(GroPipeStrategy):
         self._parts = [int(p) for p in pipe.parts]
         config = engine_config(batch_size, self.micro_batches, self.groups)
         optimizer = self.optimizers[0]
-        optimizer = getattr(optimizer, "_optimizer", optimizer)
+        optimizer = unwrapped_optimizer(optimizer)
         engine, _, _, _ = deepspeed.initialize(model=pipe, optimizer=optimizer, config=config)
         return engine
 
