@@ -48,6 +48,7 @@ from lightning_parallel.pipeline.recompute import (
     should_recompute,
 )
 from lightning_parallel.pipeline.schedule import Action
+from lightning_parallel.pipeline.stage_entry import stage_inputs
 from lightning_parallel.pipeline.timeline import Clock, TimelineEvent
 from lightning_parallel.pipeline.transport import StageTransport, stage_output_tensors
 from lightning_parallel.pipeline.weight_grad import (
@@ -189,7 +190,7 @@ class StageRuntime:
 
     def _run_module(self, inputs: Any) -> Any:
         with deferring_weight_gradients(bool(self.deferred_linears)):
-            return self.module(*inputs) if self.is_first else self.module(inputs)
+            return self.module(*inputs) if self.is_first else self.module(stage_inputs(inputs))
 
     # -- forward -----------------------------------------------------------------------------
 

@@ -45,6 +45,7 @@ from torch.optim import Optimizer
 
 from lightning_parallel.comm.devices import to_group
 from lightning_parallel.pipeline.noflush.predictors import WeightPredictor
+from lightning_parallel.pipeline.stage_entry import stage_inputs
 from lightning_parallel.pipeline.timeline import Clock, TimelineEvent
 from lightning_parallel.pipeline.transport import StageTransport, stage_output_tensors
 
@@ -266,7 +267,7 @@ class NoFlushPipeline:
             received = list(activation) if isinstance(activation, tuple) else [activation]
             # a later stage takes the previous stage's output as one argument (a tuple where
             # a cut carries several tensors: skip connections)
-            arrived = (activation,)
+            arrived = (stage_inputs(activation),)  # in-place operations at the start allowed
         start = time.perf_counter()
         weights = self.predictor.forward_weights(unit)
         outputs: list[Tensor]
