@@ -12,6 +12,7 @@ script that imports ``lightning`` and by ``pytorch_lightning.Trainer`` in one th
 
 from lightning_parallel.__about__ import __version__
 from lightning_parallel.comm.accounting import track_collectives
+from lightning_parallel.comm.exit import destroy_group_at_exit as _destroy_group_at_exit
 from lightning_parallel.comm.ledger import CommLedger, process_ledger
 from lightning_parallel.compat import layer as _layer
 from lightning_parallel.compat import registration as _registration
@@ -20,6 +21,7 @@ from lightning_parallel.compat.registration import register_strategy, registered
 from lightning_parallel.pipeline import HybridCosineLinearLR
 
 _layer.install_finder()
+_destroy_group_at_exit()  # see comm/exit.py
 
 GroPipeStrategy = _public_class(
     "strategies.gropipe",

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lightning_parallel.cluster.faults import STEPS_VARIABLE
+from lightning_parallel.cluster.faults import STEPS_VARIABLE, progress_line
 
 __all__: list[str] = []
 
@@ -158,8 +158,7 @@ def _make_probe(
             self._report -= reached
             if every or reached:
                 self._printed = self._previous_end
-                rank, step = trainer.global_rank, trainer.global_step
-                print(f"[progress] rank {rank} step {step}", flush=True)
+                print(progress_line(trainer.global_rank, trainer.global_step), flush=True)
             # a batch the strategy did not train (the parameter server's epoch tail: its grant
             # went to a faster worker) keeps its time but adds no samples
             if _skipped_batches(trainer) == self._skipped_before:

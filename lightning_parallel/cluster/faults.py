@@ -42,8 +42,13 @@ STEPS_VARIABLE = "LIGHTNING_PARALLEL_REPORT_STEPS"
 _REPORT = re.compile(r"^\[progress\] rank \d+ step (\d+)\s*$")
 
 
+def progress_line(rank: int, step: int) -> str:
+    """The line a training process prints to say it finished ``step`` (:func:`reported_step`)."""
+    return f"[progress] rank {rank} step {step}"
+
+
 def reported_step(line: str) -> int | None:
-    """The step in a ``[progress] rank R step N`` line, else ``None``."""
+    """The step in a :func:`progress_line`, else ``None``."""
     match = _REPORT.match(line.strip())
     return int(match.group(1)) if match else None
 

@@ -356,7 +356,7 @@ class Survivors:
         try:
             self.store.set(f"closed/{self.rank}", "1")
             if self._watchdog is not None:
-                self._linger(deadline=time.monotonic() + 2 * self.timeout + 10.0)
+                self._linger(bound=2 * self.timeout + 10.0)
         except Exception:  # the store is gone (rank 0 lost): nothing to wait for
             pass
         self._closed = True
@@ -365,7 +365,8 @@ class Survivors:
         for lane in self._lanes.values():
             lane.close()
 
-    def _linger(self, deadline: float) -> None:
+    def _linger(self, bound: float) -> None:
+        deadline = time.monotonic() + bound
         while time.monotonic() < deadline:
             keys = [f"closed/{rank}" for rank in self._published if rank != self.rank]
             if not keys or self.store.check(keys):
@@ -374,5 +375,5 @@ class Survivors:
         log.warning(
             "rank 0 stopped waiting for ranks %s to finish after %.0f s",
             [rank for rank in self._published if not self.store.check([f"closed/{rank}"])],
-            2 * self.timeout + 10.0,
+            bound,
         )

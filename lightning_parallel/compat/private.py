@@ -351,7 +351,8 @@ def layer_sync(strategy: Any) -> Any:
 
 
 def attached_trainer(module: Any) -> Any:
-    """The trainer ``module`` is attached to, or ``None`` (``LightningModule.trainer`` raises)."""
+    """The trainer ``module`` is attached to, or ``None`` (also for no module; the public
+    ``LightningModule.trainer`` raises instead)."""
     return getattr(module, "_trainer", None)
 
 

@@ -209,22 +209,21 @@ def restrict_optimizers(
     owned_ids = {id(t) for t in owned}
     rebuilt = []
     for optimizer in optimizers:
-        inner = optimizer
         keep: dict[int, nn.Parameter] = {}
-        for group in inner.param_groups:
+        for group in optimizer.param_groups:
             for parameter in group["params"]:
                 current = replaced.get(id(parameter), parameter)
                 if id(current) in owned_ids:
                     keep[id(parameter)] = current  # type: ignore[assignment]
-        restricted = restrict_optimizer(inner, keep)
+        restricted = restrict_optimizer(optimizer, keep)
         restricted._lp_parameter_names = [  # type: ignore[attr-defined]
-            [names[id(p)] for p in group["params"]] for group in inner.param_groups
+            [names[id(p)] for p in group["params"]] for group in optimizer.param_groups
         ]
         for scheduler in schedulers:
-            if scheduler.optimizer is inner:
+            if scheduler.optimizer is optimizer:
                 scheduler.optimizer = restricted
-        inner.param_groups.clear()
-        inner.state.clear()
+        optimizer.param_groups.clear()
+        optimizer.state.clear()
         rebuilt.append(restricted)
     return rebuilt
 

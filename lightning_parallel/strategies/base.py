@@ -236,8 +236,7 @@ class ParallelStrategyBase(DDPStrategy):
         set_group_timeout(self.collective_timeout)
         super().setup_environment()
         self._start_liveness()
-        module = self.lightning_module
-        trainer = attached_trainer(module) if module is not None else None
+        trainer = attached_trainer(self.lightning_module)
         if trainer is not None:
             callbacks: list[Callback] = trainer.callbacks
             for callback in self.strategy_callbacks(trainer):
@@ -248,8 +247,7 @@ class ParallelStrategyBase(DDPStrategy):
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
-        module = self.lightning_module
-        trainer = attached_trainer(module) if module is not None else None
+        trainer = attached_trainer(self.lightning_module)
         if trainer is not None and self.world_size > 1 and self._restore_sigterm is None:
             self._restore_sigterm = replace_sigterm_broadcast(
                 trainer, _sigterm_broadcast(trainer), keep_existing=True
@@ -266,8 +264,7 @@ class ParallelStrategyBase(DDPStrategy):
 
     def set_activity(self, what: str) -> None:
         """Record what this rank does now, prefixed with the step (shown if a peer fails)."""
-        module = self.lightning_module
-        trainer = attached_trainer(module) if module is not None else None
+        trainer = attached_trainer(self.lightning_module)
         step = trainer.global_step if trainer is not None else 0
         set_activity(f"step {step}: {what}")
 

@@ -114,8 +114,7 @@ class HyloStrategy(ParallelStrategyBase):
     @property
     def hook_calls(self) -> int:
         """Times DDP called the Hylo hook on this rank (tests and the benchmark read it)."""
-        module = self.lightning_module
-        trainer = attached_trainer(module) if module is not None else None
+        trainer = attached_trainer(self.lightning_module)
         given = [c for c in trainer.callbacks if isinstance(c, HyloCompression)] if trainer else []
         return sum(c.hook_calls for c in given) if given else self.hylo.hook_calls
 

@@ -10,8 +10,8 @@ import pytest
 import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
+from test_gropipe import assert_same_weights, loader, trainer
 from torch import nn
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from lightning_parallel.pipeline.stage_entry import stage_inputs
 from lightning_parallel.strategies.gropipe import GroPipeStrategy
@@ -44,29 +44,8 @@ class Net(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
 
 
-def _loader(single_device: bool = False) -> DataLoader:
-    generator = torch.Generator().manual_seed(3)
-    data = TensorDataset(
-        torch.randn(64, 6, generator=generator), torch.randint(0, 3, (64,), generator=generator)
-    )
-    if single_device:  # the order Lightning's injected sampler gives one data-parallel replica
-        sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0)
-        return DataLoader(data, batch_size=16, sampler=sampler)
-    return DataLoader(data, batch_size=16)
-
-
 def _fit(model: Net, strategy: Any, devices: int) -> dict[str, torch.Tensor]:
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=devices,
-        strategy=strategy,
-        max_epochs=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    trainer.fit(model, _loader(single_device=devices == 1))
+    trainer(strategy, devices, limit_val_batches=0).fit(model, loader(shuffled=devices == 1))
     return {key: value.clone() for key, value in model.state_dict().items()}
 
 
@@ -93,7 +72,8 @@ def test_an_in_place_operation_on_a_received_activation_needs_no_copy() -> None:
 def test_gropipe_trains_a_stage_that_starts_in_place_as_one_device_does(
     schedule: str, recompute: str
 ) -> None:
-    reference = _fit(Net(inplace=False), "auto", 1)
+    reference = Net(inplace=False)
+    _fit(reference, "auto", 1)
     strategy = GroPipeStrategy(
         stages=2,
         micro_batches=4,
@@ -102,9 +82,9 @@ def test_gropipe_trains_a_stage_that_starts_in_place_as_one_device_does(
         recompute=recompute,
         start_method="fork",
     )
-    weights = _fit(Net(inplace=True), strategy, 2)
-    for key, value in reference.items():
-        torch.testing.assert_close(weights[key], value, rtol=1e-5, atol=1e-6, msg=key)
+    model = Net(inplace=True)
+    _fit(model, strategy, 2)
+    assert_same_weights(reference, model)
 
 
 def test_spectrain_trains_a_stage_that_starts_in_place_as_out_of_place() -> None:

@@ -265,9 +265,8 @@ class NoFlushPipeline:
                 self._receive_total()
             self._event("wait", unit, start)
             received = list(activation) if isinstance(activation, tuple) else [activation]
-            # a later stage takes the previous stage's output as one argument (a tuple where
-            # a cut carries several tensors: skip connections)
-            arrived = (stage_inputs(activation),)  # in-place operations at the start allowed
+            # one argument (a tuple where a cut carries several tensors), changeable in place
+            arrived = (stage_inputs(activation),)
         start = time.perf_counter()
         weights = self.predictor.forward_weights(unit)
         outputs: list[Tensor]
