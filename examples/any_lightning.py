@@ -40,7 +40,6 @@ def fit(namespace: str, name: str | None, instance: str | None, steps: int) -> N
     pl = importlib.import_module(NAMESPACES[namespace])
     import torch
 
-    import lightning_parallel
     from lightning_parallel.demo import build_datamodule, build_model
 
     torch.set_num_threads(1)
@@ -53,7 +52,9 @@ def fit(namespace: str, name: str | None, instance: str | None, steps: int) -> N
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
             options["ddp_comm_hook"] = default_hooks.fp16_compress_hook
-        strategy = getattr(lightning_parallel, instance)(**options)
+        # each Lightning's public classes: lightning_parallel.lightning or .pytorch_lightning
+        classes = importlib.import_module(f"lightning_parallel.{namespace}")
+        strategy = getattr(classes, instance)(**options)
     else:
         strategy = name
     trainer = pl.Trainer(

@@ -22,9 +22,9 @@ import argparse
 
 import pytorch_lightning as pl
 
-from lightning_parallel import ModelAveragingStrategy
 from lightning_parallel.bench.specs import parse_spec
 from lightning_parallel.demo import build_datamodule, build_model
+from lightning_parallel.pytorch_lightning import ModelAveragingStrategy
 
 
 def main() -> None:

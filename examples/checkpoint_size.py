@@ -29,12 +29,12 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks import ModelCheckpoint
 
-import lightning_parallel
 from lightning_parallel.demo import build_datamodule, build_model
+from lightning_parallel.pytorch_lightning import ModelAveragingStrategy
 
 
-def _strategy() -> Any:
-    return lightning_parallel.ModelAveragingStrategy(period=4)
+def _strategy() -> ModelAveragingStrategy:
+    return ModelAveragingStrategy(period=4)
 
 
 def _fit(args: argparse.Namespace, steps: int, **options: Any) -> pl.Trainer:

@@ -14,8 +14,8 @@ import argparse
 from pytorch_lightning import Trainer, seed_everything
 
 import lightning_parallel
-from lightning_parallel import CommStats
 from lightning_parallel.demo import build_datamodule, build_model
+from lightning_parallel.pytorch_lightning import CommStats
 
 
 def main() -> None:

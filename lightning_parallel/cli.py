@@ -199,9 +199,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(__version__)
         return 0
     if command in _LIGHTNING_SUBCOMMANDS:
-        from lightning_parallel.compat import layer
-
-        build = layer.import_layer(_cli_namespace(rest), "cli")
+        build = importlib.import_module(_cli_namespace(rest).module_of("cli"))
         return int(build._run_lightning_cli([command, *rest]))
     if command == "strategies":
         return _list_strategies()

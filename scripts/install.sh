@@ -13,4 +13,6 @@ PYTHON=${PYTHON:-python3}
 python -m pip install --quiet --upgrade pip
 . scripts/install_torch.sh
 python -m pip install --quiet -e ".[dev]"
+# the lightning.pytorch build of the Lightning layer, next to its source (git-ignored)
+python -m lightning_parallel.compat.generate >/dev/null
 python -c "import lightning_parallel, torch; print('lightning_parallel', lightning_parallel.__version__, 'torch', torch.__version__)"

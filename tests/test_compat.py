@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.environment import user_environment
+from helpers.sources import source_files
 from helpers.trainers import QUIET
 
 import lightning_parallel
@@ -25,12 +26,13 @@ from lightning_parallel.compat import (
     PYTORCH_LIGHTNING,
     SUPPORTED,
     LightningCompatError,
+    generate,
     installed,
-    layer,
     private,
     registration,
 )
 from lightning_parallel.compat.namespaces import NAMESPACE_VARIABLE, of_class
+from lightning_parallel.compat.public import PUBLIC_CLASSES, PUBLIC_MODULES, top_level_namespace
 
 INSTALLED = installed()
 IDS = [namespace.key for namespace in INSTALLED]
@@ -39,19 +41,24 @@ PACKAGE = Path(lightning_parallel.__file__).parent
 
 def _layer_files() -> list[Path]:
     files = []
-    for relative in layer.LAYER_MODULES:
+    for relative in generate.LAYER_MODULES:
         base = PACKAGE.joinpath(*relative.split("."))
         files += sorted(base.rglob("*.py")) if base.is_dir() else [base.with_suffix(".py")]
     return files
 
 
+def _public(namespace, name: str) -> type:
+    """The public class ``name`` of ``namespace``'s build, from its module of public names."""
+    return getattr(importlib.import_module(PUBLIC_MODULES[namespace.key]), name)
+
+
 @pytest.mark.parametrize("path", _layer_files(), ids=lambda p: str(p.relative_to(PACKAGE)))
 def test_the_lightning_build_maps_every_lightning_import_and_keeps_the_lines(path: Path) -> None:
     source = path.read_text()
-    mapped = layer.rewrite(source)
+    mapped = generate.rewrite(source)
     assert "pytorch_lightning" not in mapped and "lightning_fabric" not in mapped
     assert mapped.count("\n") == source.count("\n")  # tracebacks point at the real lines
-    for relative in layer.LAYER_MODULES:
+    for relative in generate.LAYER_MODULES:
         assert f"lightning_parallel.{relative}." not in mapped.replace(
             f"lightning_parallel.lightning.{relative}.", ""
         )
@@ -63,7 +70,7 @@ def test_only_the_layer_and_compat_import_lightning() -> None:
     allowed |= set((PACKAGE / "bench").rglob("*.py"))  # the benchmark runs under pytorch_lightning
     offenders = [
         str(path.relative_to(PACKAGE))
-        for path in PACKAGE.rglob("*.py")
+        for path in source_files()
         if path not in allowed
         and any(
             line.lstrip().startswith(("import ", "from "))
@@ -106,7 +113,7 @@ def test_a_missing_private_name_fails_at_construction_naming_it_and_the_range(
     private.problems.cache_clear()
     try:
         with pytest.raises(LightningCompatError) as raised:
-            getattr(lightning_parallel, public).build(PYTORCH_LIGHTNING)()
+            _public(PYTORCH_LIGHTNING, public)()
     finally:
         private.problems.cache_clear()
     assert "_a_name_lightning_removed" in str(raised.value)
@@ -123,20 +130,70 @@ def test_every_name_resolves_to_that_namespaces_build(namespace) -> None:
         assert isinstance(trainer.strategy, pl.strategies.Strategy)
 
 
+def test_the_lightning_build_on_disk_is_its_source_mapped_with_a_footer_naming_it() -> None:
+    generate.ensure_current()  # what importing lightning_parallel.lightning does first
+    assert generate.stale() == []
+    for source in _layer_files():
+        relative = source.relative_to(PACKAGE)
+        built = (PACKAGE / "lightning" / relative).read_text().splitlines()
+        assert built[:-1] == generate.rewrite(source.read_text()).splitlines()
+        assert built[-1] == (
+            f"# generated from lightning_parallel/{relative.as_posix()} by "
+            "lightning_parallel.compat.generate: edit that file instead"
+        )
+
+
+def test_a_stale_or_missing_build_file_is_written_again_and_a_removed_sources_file_deleted(
+    tmp_path,
+) -> None:
+    written = generate.write(PACKAGE, tmp_path)
+    assert sorted(written) == sorted(generate.expected_files(PACKAGE))
+    assert generate.write(PACKAGE, tmp_path) == []  # nothing to do a second time
+    gropipe = tmp_path / "lightning" / "strategies" / "gropipe.py"
+    gropipe.write_text(gropipe.read_text().replace("lightning.pytorch", "pytorch_lightning"))
+    leftover = tmp_path / "lightning" / "strategies" / "removed.py"
+    leftover.write_text(gropipe.read_text())  # ends with the footer: a file the build wrote
+    mine = tmp_path / "lightning" / "strategies" / "notes.py"
+    mine.write_text("x = 1\n")  # no footer: not the build's, kept
+    assert sorted(generate.stale(PACKAGE, tmp_path)) == [
+        Path("lightning/strategies/gropipe.py"),
+        Path("lightning/strategies/removed.py"),
+    ]
+    generate.write(PACKAGE, tmp_path)
+    assert generate.stale(PACKAGE, tmp_path) == []
+    assert not leftover.exists() and mine.exists()
+
+
 @pytest.mark.parametrize("namespace", INSTALLED, ids=IDS)
-def test_public_names_accept_either_build_and_subclass_the_build_in_use(namespace) -> None:
-    built = lightning_parallel.ModelAveragingStrategy.build(namespace)
-    strategy = built(period=4)
-    assert isinstance(strategy, lightning_parallel.ModelAveragingStrategy)
-    assert issubclass(built, lightning_parallel.ModelAveragingStrategy)
-    assert not isinstance(object(), lightning_parallel.ModelAveragingStrategy)
-    assert "period" in str(lightning_parallel.ModelAveragingStrategy.__signature__)
+def test_each_builds_public_names_are_real_classes_of_that_lightning(namespace) -> None:
+    module = importlib.import_module(PUBLIC_MODULES[namespace.key])
+    assert sorted(module.__all__) == sorted(PUBLIC_CLASSES)
+    bases = (namespace.module().Callback, namespace.module().strategies.Strategy)
+    for name, package in PUBLIC_CLASSES.items():
+        cls = getattr(module, name)
+        assert isinstance(cls, type) and issubclass(cls, bases), name
+        assert cls.__module__.startswith(namespace.module_of(package) + "."), name
+        assert of_class(cls) is namespace
+
+
+def test_the_top_level_names_are_one_build_chosen_by_installation_or_the_variable(
+    monkeypatch,
+) -> None:
+    monkeypatch.delenv(NAMESPACE_VARIABLE)
+    assert top_level_namespace() is (LIGHTNING if LIGHTNING in INSTALLED else PYTORCH_LIGHTNING)
+    for namespace in INSTALLED:
+        monkeypatch.setenv(NAMESPACE_VARIABLE, namespace.key)
+        assert top_level_namespace() is namespace
+    # this session pins pytorch_lightning (conftest.py)
+    assert lightning_parallel.GroPipeStrategy is _public(PYTORCH_LIGHTNING, "GroPipeStrategy")
+    assert sorted(set(lightning_parallel.__all__) & set(PUBLIC_CLASSES)) == sorted(PUBLIC_CLASSES)
+    with pytest.raises(AttributeError, match="no attribute 'GroPipe'"):
+        lightning_parallel.GroPipe  # noqa: B018
 
 
 _SCRIPT = """
 import sys
 {imports}
-import lightning_parallel as lp
 strategy = lp.GroPipeStrategy(stages=2)
 callback = lp.CommStats()
 
@@ -155,8 +212,9 @@ print(sorted(m for m in ("lightning.pytorch", "pytorch_lightning") if m in sys.m
 
 _IMPORTS = {
     # lightning_parallel imported first, as isort orders `import pytorch_lightning` after it
-    PYTORCH_LIGHTNING: "import lightning_parallel\nimport pytorch_lightning as pl",
-    LIGHTNING: "import lightning.pytorch as pl",
+    PYTORCH_LIGHTNING: "import lightning_parallel.pytorch_lightning as lp\nimport pytorch_lightning as pl",
+    # the top-level names are the lightning.pytorch build where lightning is installed
+    LIGHTNING: "import lightning.pytorch as pl\nimport lightning_parallel as lp",
 }
 
 
@@ -218,7 +276,7 @@ def _fit(
     )
     model = build_model("mlp", data, depth=2, width=32)
     class_name, options = FAMILIES[family]
-    cls = getattr(lightning_parallel, class_name).build(namespace)
+    cls = _public(namespace, class_name)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2,

@@ -6,7 +6,7 @@ import ast
 import builtins
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[1] / "lightning_parallel"
+from helpers.sources import PACKAGE, source_files
 
 
 def _module_names(tree: ast.Module) -> set[str]:
@@ -45,7 +45,7 @@ def test_no_comprehension_variable_shadows_a_module_name() -> None:
     ``copy.deepcopy`` in another comprehension of the same function raise ``UnboundLocalError``
     on a GPU machine's Python 3.12 (the model-averaging checkpoint), while CI's 3.11 passed."""
     found = []
-    for path in sorted(PACKAGE.rglob("*.py")):
+    for path in source_files():
         tree = ast.parse(path.read_text(), filename=str(path))
         module_names = _module_names(tree)
         for node in ast.walk(tree):
@@ -60,7 +60,7 @@ def test_no_comprehension_variable_shadows_a_module_name() -> None:
 def _private_names(folder: Path) -> set[str]:
     """Private names a package's source defines: ``self._x = ...``, ``def _x``, class ``_x = ...``."""
     names: set[str] = set()
-    for path in folder.rglob("*.py"):
+    for path in source_files(folder):
         for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
             if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
                 if isinstance(node.value, ast.Name) and node.value.id == "self":
@@ -104,7 +104,7 @@ def test_private_lightning_names_are_reached_only_through_compat() -> None:
     ours = _private_names(PACKAGE) - _private_names(PACKAGE / "compat")
     listed = {use.name for use in PRIVATE_USES}
     found = []
-    for path in sorted(PACKAGE.rglob("*.py")):
+    for path in source_files():
         relative = path.relative_to(PACKAGE.parent)
         if "compat" in relative.parts:
             continue

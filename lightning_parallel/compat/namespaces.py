@@ -34,7 +34,8 @@ class Namespace:
         fabric: its fabric package (``"lightning.fabric"`` or ``"lightning_fabric"``).
         distribution: the PyPI distribution that installs it.
         layer: the module prefix under which this package's strategies, callbacks and demo
-            classes subclass this namespace's classes (see :mod:`lightning_parallel.compat.layer`).
+            classes subclass this namespace's classes (see
+            :mod:`lightning_parallel.compat.generate`).
     """
 
     key: str
@@ -63,6 +64,10 @@ class Namespace:
     def module(self) -> ModuleType:
         """The trainer package (``lightning.pytorch`` or ``pytorch_lightning``), imported."""
         return importlib.import_module(self.pytorch)
+
+    def module_of(self, relative: str) -> str:
+        """The full name of this build's layer module ``relative`` (``"strategies.gropipe"``)."""
+        return f"{self.layer}.{relative}"
 
     def version(self) -> str:
         """The installed distribution's version, read from its metadata (no import)."""

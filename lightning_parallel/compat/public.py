@@ -1,85 +1,55 @@
-"""Public class names that stand for the build matching the user's Lightning.
+"""Which build the public class names at the top of ``lightning_parallel`` are.
 
-``lightning_parallel.GroPipeStrategy(...)`` has to be accepted by ``lightning.Trainer`` in one
-script and by ``pytorch_lightning.Trainer`` in another, in the same environment. The public name
-is a :class:`LayerClass`: calling it builds the class of the namespace that
-:func:`.namespaces.active` names at that moment (after the script's own imports), ``isinstance``
-is true for an instance of either build, and subclassing it subclasses that namespace's build.
+A class subclasses one Lightning namespace, and a type checker must know which, so each build
+has its own module of public names, and the top of the package is one of them, chosen by
+installation and not by import order:
+
+- ``lightning_parallel.lightning``: the ``lightning.pytorch`` classes (``import lightning as L``);
+- ``lightning_parallel.pytorch_lightning``: the ``pytorch_lightning`` classes;
+- ``lightning_parallel``: the ``lightning.pytorch`` classes when the ``lightning`` distribution
+  is installed, else the ``pytorch_lightning`` ones. The environment variable
+  ``LIGHTNING_PARALLEL_NAMESPACE`` (``lightning`` or ``pytorch_lightning``) overrides it.
+
+Type checkers read the top of the package as the ``lightning.pytorch`` build.
 """
 
 from __future__ import annotations
 
-import inspect
-import sys
-from typing import Any
+import os
 
-from lightning_parallel.compat import layer
-from lightning_parallel.compat.namespaces import NAMESPACES, Namespace, active
+from lightning_parallel.compat.namespaces import (
+    LIGHTNING,
+    NAMESPACE_VARIABLE,
+    PYTORCH_LIGHTNING,
+    Namespace,
+    by_key,
+)
 
 __all__: list[str] = []
 
-
-class LayerClass(type):
-    """Metaclass of a public name whose class depends on the Lightning namespace in use."""
-
-    _layer_module: str
-    _layer_name: str
-
-    def __new__(mcs, name: str, bases: tuple[type, ...], namespace: dict[str, Any]) -> Any:
-        if any(isinstance(base, LayerClass) for base in bases):
-            # a user's subclass: subclass the build of the namespace in use
-            resolved = tuple(
-                base.build() if isinstance(base, LayerClass) else base for base in bases
-            )
-            return type(resolved[0])(name, resolved, namespace)
-        return super().__new__(mcs, name, bases, namespace)
-
-    def build(cls, namespace: Namespace | None = None) -> type:
-        """The class of ``namespace``'s build (default: the namespace in use)."""
-        from lightning_parallel.compat import registration
-
-        namespace = namespace or active()
-        registration.load(namespace)
-        module = layer.import_layer(namespace, cls._layer_module)
-        return getattr(module, cls._layer_name)  # type: ignore[no-any-return]
-
-    def _loaded_builds(cls) -> list[type]:
-        builds = []
-        for namespace in NAMESPACES:
-            module = sys.modules.get(layer.module_name(namespace, cls._layer_module))
-            if module is not None and hasattr(module, cls._layer_name):
-                builds.append(getattr(module, cls._layer_name))
-        return builds
-
-    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
-        return cls.build()(*args, **kwargs)
-
-    def __instancecheck__(cls, instance: Any) -> bool:
-        return any(isinstance(instance, build) for build in cls._loaded_builds())
-
-    def __subclasscheck__(cls, subclass: type) -> bool:
-        return any(issubclass(subclass, build) for build in cls._loaded_builds())
-
-    @property
-    def __signature__(cls) -> inspect.Signature:
-        return inspect.signature(cls.build())
-
-    def __repr__(cls) -> str:
-        return f"<lightning_parallel class {cls.__name__} (follows the Lightning in use)>"
+# each public class, and the layer package that defines it in either build
+PUBLIC_CLASSES: dict[str, str] = {
+    "GroPipeStrategy": "strategies",
+    "HookedDDPStrategy": "strategies",
+    "HyloStrategy": "strategies",
+    "ModelAveragingStrategy": "strategies",
+    "ParameterServerStrategy": "strategies",
+    "PowerSGDDDPStrategy": "strategies",
+    "SpecTrainStrategy": "strategies",
+    "CommStats": "callbacks",
+    "HyloCompression": "callbacks",
+    "Straggler": "callbacks",
+}
+# the module of public names of each build
+PUBLIC_MODULES: dict[str, str] = {
+    LIGHTNING.key: "lightning_parallel.lightning",
+    PYTORCH_LIGHTNING.key: "lightning_parallel.pytorch_lightning",
+}
 
 
-def public_class(relative_module: str, name: str, summary: str) -> LayerClass:
-    """The public name ``name`` for the class defined in layer module ``relative_module``."""
-    pytorch_path = f"lightning_parallel.{relative_module}.{name}"
-    lightning_path = f"lightning_parallel.lightning.{relative_module}.{name}"
-    doc = (
-        f"{summary}\n\n"
-        f"Calling this name builds ``{lightning_path}`` when your code uses ``lightning.pytorch`` "
-        f"(``import lightning as L``) and ``{pytorch_path}`` when it uses ``pytorch_lightning``; "
-        f"see :class:`{pytorch_path}` for the arguments. ``isinstance`` accepts either, and a "
-        f"subclass of this name subclasses the build of the Lightning in use."
-    )
-    cls = LayerClass(name, (), {"__doc__": doc, "__module__": "lightning_parallel"})
-    cls._layer_module = relative_module
-    cls._layer_name = name
-    return cls
+def top_level_namespace() -> Namespace:
+    """The namespace whose classes ``lightning_parallel.<Class>`` gives (see the module's text)."""
+    forced = os.environ.get(NAMESPACE_VARIABLE)
+    if forced:
+        return by_key(forced)
+    return LIGHTNING if LIGHTNING.is_installed() else PYTORCH_LIGHTNING

@@ -10,6 +10,7 @@ code imports them. Nothing here imports a Lightning the user did not (see
 
 from __future__ import annotations
 
+import importlib
 import importlib.abc
 import importlib.machinery
 import logging
@@ -18,7 +19,6 @@ from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
-from lightning_parallel.compat import layer
 from lightning_parallel.compat.namespaces import Namespace, installed, of_class
 
 __all__: list[str] = []
@@ -78,7 +78,7 @@ def load(namespace: Namespace) -> None:
     _LOADED.add(namespace.key)
     try:
         for relative in _REGISTERING:
-            layer.import_layer(namespace, relative)
+            importlib.import_module(namespace.module_of(relative))
     except BaseException as error:
         _FAILED[namespace.key] = error
         raise

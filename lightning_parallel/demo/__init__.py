@@ -7,11 +7,10 @@ The classes are Lightning classes, so each exists once per Lightning namespace (
 
 from __future__ import annotations
 
-from typing import Any
+import importlib
+from typing import TYPE_CHECKING, Any
 
-from lightning_parallel.compat import layer
 from lightning_parallel.compat.namespaces import Namespace, active, of_object
-from lightning_parallel.compat.public import public_class
 
 __all__ = [
     "DATAMODULES",
@@ -36,52 +35,58 @@ __all__ = [
     "default_data",
 ]
 
-DemoClassifier = public_class(
-    "demo.models", "DemoClassifier", "Base of the demo models: cross-entropy classification."
-)
-VGGMini = public_class("demo.models", "VGGMini", "A small VGG-style convolutional network.")
-ConvNet = public_class("demo.models", "ConvNet", "A two-convolution network.")
-MLP = public_class("demo.models", "MLP", "A deep multilayer perceptron of equal blocks.")
-VGG16 = public_class("demo.models", "VGG16", "VGG-16 for 32x32 images (BatchNorm).")
-GPT = public_class("demo.models", "GPT", "A decoder-only transformer (next-token prediction).")
-Recommender = public_class(
-    "demo.models", "Recommender", "LSTM + autoencoder + attention recommender (two inputs)."
-)
-ResNet18 = public_class("demo.models", "ResNet18", "CIFAR-style ResNet-18 (skip connections).")
-ResNet50 = public_class("demo.models", "ResNet50", "CIFAR-style ResNet-50 (bottlenecks).")
-DigitsDataModule = public_class(
-    "demo.data", "DigitsDataModule", "Scikit-learn's handwritten digits (needs the demo extra)."
-)
-SyntheticImageDataModule = public_class(
-    "demo.data", "SyntheticImageDataModule", "Deterministic CIFAR-shaped images of any size."
-)
+if TYPE_CHECKING:  # what a type checker reads: the lightning.pytorch build
+    from lightning_parallel.lightning.demo.data import (
+        CIFAR10DataModule,
+        CorpusDataModule,
+        DigitsDataModule,
+        InteractionsDataModule,
+        SyntheticImageDataModule,
+    )
+    from lightning_parallel.lightning.demo.models import (
+        GPT,
+        MLP,
+        VGG16,
+        ConvNet,
+        DemoClassifier,
+        Recommender,
+        ResNet18,
+        ResNet50,
+        VGGMini,
+    )
 
-MODELS: dict[str, Any] = {
-    "vgg_mini": VGGMini,
-    "convnet": ConvNet,
-    "mlp": MLP,
-    "vgg16": VGG16,
-    "resnet18": ResNet18,
-    "resnet50": ResNet50,
-    "gpt": GPT,
-    "recommender": Recommender,
+# each bundled model's class name, in the layer module ``demo.models`` of either build
+MODELS: dict[str, str] = {
+    "vgg_mini": "VGGMini",
+    "convnet": "ConvNet",
+    "mlp": "MLP",
+    "vgg16": "VGG16",
+    "resnet18": "ResNet18",
+    "resnet50": "ResNet50",
+    "gpt": "GPT",
+    "recommender": "Recommender",
 }
-InteractionsDataModule = public_class(
-    "demo.data", "InteractionsDataModule", "Generated user-item interactions for recommender."
-)
-CorpusDataModule = public_class(
-    "demo.data", "CorpusDataModule", "Generated token sequences (a Markov chain) for gpt."
-)
-CIFAR10DataModule = public_class(
-    "demo.data", "CIFAR10DataModule", "CIFAR-10 from its python-version files (given a path)."
-)
-DATAMODULES: dict[str, Any] = {
-    "digits": DigitsDataModule,
-    "synthetic": SyntheticImageDataModule,
-    "corpus": CorpusDataModule,
-    "interactions": InteractionsDataModule,
-    "cifar10": CIFAR10DataModule,
+# each bundled data set's class name, in the layer module ``demo.data`` of either build
+DATAMODULES: dict[str, str] = {
+    "digits": "DigitsDataModule",
+    "synthetic": "SyntheticImageDataModule",
+    "corpus": "CorpusDataModule",
+    "interactions": "InteractionsDataModule",
+    "cifar10": "CIFAR10DataModule",
 }
+_CLASSES: dict[str, str] = {
+    **{name: "demo.models" for name in [*MODELS.values(), "DemoClassifier"]},
+    **{name: "demo.data" for name in DATAMODULES.values()},
+}
+
+
+def __getattr__(name: str) -> Any:
+    """A demo class, from the build of the Lightning in use (:func:`.namespaces.active`)."""
+    if name not in _CLASSES:
+        raise AttributeError(f"module 'lightning_parallel.demo' has no attribute {name!r}")
+    return getattr(importlib.import_module(active().module_of(_CLASSES[name])), name)
+
+
 # the data set of each bundled model's kind, used when none is named
 DEFAULT_DATA: dict[str, str] = {
     "vgg_mini": "digits",
@@ -95,7 +100,7 @@ DEFAULT_DATA: dict[str, str] = {
 }
 
 
-def _lookup(kind: str, table: dict[str, Any], name: str) -> None:
+def _lookup(kind: str, table: dict[str, str], name: str) -> None:
     if name not in table:
         raise ValueError(f"unknown {kind} {name!r}; choose one of {sorted(table)}")
 
@@ -110,7 +115,7 @@ def build_datamodule(name: str, namespace: Namespace | None = None, **kwargs: An
         **kwargs: the data module's arguments.
     """
     _lookup("data", DATAMODULES, name)
-    module = layer.import_layer(namespace or active(), "demo.data")
+    module = importlib.import_module((namespace or active()).module_of("demo.data"))
     return module.DATAMODULES[name](**kwargs)
 
 
@@ -135,5 +140,5 @@ def build_model(
         kwargs.setdefault("input_shape", tuple(data.input_shape))
         kwargs.setdefault("num_classes", data.num_classes)
         namespace = namespace or of_object(data)
-    module = layer.import_layer(namespace or active(), "demo.models")
+    module = importlib.import_module((namespace or active()).module_of("demo.models"))
     return module.MODELS[name](**kwargs)

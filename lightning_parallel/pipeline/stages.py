@@ -170,8 +170,9 @@ def _trace(module: nn.Module) -> fx.GraphModule:
         raise PipelineSplitError(
             f"torch.fx could not trace {type(module).__name__} to split it into stages ({error}). "
             "Fix: write the network as `self.layers = nn.Sequential(...)` with "
-            "`forward(x) = self.layers(x)`, or remove data-dependent Python control flow from "
-            "`forward` (see the torch.fx limitations), or pass a traceable module"
+            "`forward(x) = self.layers(x)`, remove data-dependent Python control flow from "
+            "`forward` (see the torch.fx limitations), or name a traceable submodule with the "
+            "strategy's module='<name>' argument"
         ) from error
 
 

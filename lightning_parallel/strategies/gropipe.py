@@ -95,6 +95,11 @@ class GroPipeStrategy(PipelineStrategyBase):
         timeline_path: write the measured timeline of the last ``timeline_steps`` training
             steps there at the end of ``fit`` (``.json``, or ``.png`` for a plot).
         timeline_steps: steps of timeline kept in memory.
+        module: the submodule to split, by name (``"net"``, ``"model.backbone"``). By default
+            ``self.layers`` if it is an ``nn.Sequential``, else the module that
+            ``training_step`` calls with the batch, found on the first micro-batch
+            (``self(x)``: the ``LightningModule``; ``self.net(x)``: ``net``). Parameters
+            outside it belong to the last stage (see :mod:`lightning_parallel.pipeline.discovery`).
         placement: ``"pipeline"`` (a group's stages on consecutive ranks: pipelines stay on a
             host, the data-parallel allreduce crosses hosts) or ``"stage"`` (a stage's
             replicas on consecutive ranks: the allreduce stays on a host, activations cross;
@@ -124,6 +129,7 @@ class GroPipeStrategy(PipelineStrategyBase):
         timeline_path: str | None = None,
         timeline_steps: int = 3,
         placement: str = "pipeline",
+        module: str | None = None,
         start_method: str = "popen",
         timeout: timedelta | None = DEFAULT_TIMEOUT,
         **kwargs: Any,
@@ -140,6 +146,7 @@ class GroPipeStrategy(PipelineStrategyBase):
             placement=placement,
             timeline_path=timeline_path,
             timeline_steps=timeline_steps,
+            module=module,
             start_method=start_method,
             timeout=timeout,
             **kwargs,

@@ -43,7 +43,6 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 import torch.distributed as dist
-from pytorch_lightning.plugins.precision import MixedPrecision
 from pytorch_lightning.trainer.states import TrainerFn
 from torch import Tensor, nn
 from torch.distributed.constants import default_pg_timeout as DEFAULT_TIMEOUT
@@ -61,6 +60,7 @@ from lightning_parallel.pipeline.assembly import (
     normal_tensors,
 )
 from lightning_parallel.pipeline.device_moves import move_real
+from lightning_parallel.pipeline.discovery import SplitTarget, discover, named_target, static_target
 from lightning_parallel.pipeline.grad_sync import PartitionGradientSync
 from lightning_parallel.pipeline.microbatch import merge_microbatches, split_microbatches
 from lightning_parallel.pipeline.ownership import TensorNames, restrict_optimizers
@@ -70,7 +70,6 @@ from lightning_parallel.pipeline.schedule import Schedule
 from lightning_parallel.pipeline.stages import (
     is_deferred,
     layer_sequence,
-    pipeline_body,
     put_back,
     split_stages,
 )
@@ -81,7 +80,7 @@ from lightning_parallel.pipeline.topology import (
     ProcessGroups,
     build_process_groups,
 )
-from lightning_parallel.strategies.pipeline_training import PipelineTraining
+from lightning_parallel.strategies.pipeline_training import PipelineTraining, check_trainable
 
 __all__ = ["PipelineStrategyBase"]
 
@@ -130,6 +129,7 @@ class PipelineStrategyBase(PipelineTraining):
         placement: str = "pipeline",
         timeline_path: str | None = None,
         timeline_steps: int = 3,
+        module: str | None = None,
         start_method: str = "popen",
         timeout: timedelta | None = DEFAULT_TIMEOUT,
         **kwargs: Any,
@@ -147,6 +147,7 @@ class PipelineStrategyBase(PipelineTraining):
         self.profile_repeats = profile_repeats
         self.placement = placement
         self.timeline_path = timeline_path
+        self.split_module = module
         self.timeline: collections.deque[list[TimelineEvent]] = collections.deque(
             maxlen=timeline_steps
         )
@@ -157,6 +158,7 @@ class PipelineStrategyBase(PipelineTraining):
         self._pipeline = None
         self._boundaries = None
         self._layers: list[nn.Module] | None = None
+        self._target: SplitTarget | None = None
         self._resume = None
         self._names: dict[int, str] = {}
         self._replaced: dict[int, Tensor] = {}
@@ -226,19 +228,7 @@ class PipelineStrategyBase(PipelineTraining):
         assert self.accelerator is not None and self.model is not None
         module = self.lightning_module
         assert module is not None
-        if not module.automatic_optimization:
-            raise ValueError(
-                f"{type(self).__name__} needs automatic optimization: the pipeline runs forward "
-                "and backward itself. Remove `self.automatic_optimization = False`"
-            )
-        if (
-            isinstance(self.precision_plugin, MixedPrecision)
-            and self.precision_plugin.scaler is not None
-        ):
-            raise ValueError(
-                f"{type(self).__name__} does not support gradient scaling (precision='16-mixed' "
-                "on CUDA); use precision='bf16-mixed' or '32-true'"
-            )
+        check_trainable(type(self).__name__, module, self.precision_plugin)
         self.accelerator.setup(trainer)
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -249,6 +239,9 @@ class PipelineStrategyBase(PipelineTraining):
             # processes started apart (popen, torchrun) initialize differently: start from
             # rank 0's (a stage materialized later is synchronized then)
             broadcast_module_states(self.model)
+        self._target = None  # decided at the first step (a new run may bring a new module)
+        if self.split_module:  # a wrong name fails here, before any stage is built
+            named_target(module, self.split_module)
         self.prepare_module(module, fitting)
         assert self._groups is not None  # torchmetrics sync over a stage's replicas
         point_metrics_at(module, self._groups.data_parallel)
@@ -281,15 +274,23 @@ class PipelineStrategyBase(PipelineTraining):
 
     @property
     def _body(self) -> nn.Module:
-        assert self.lightning_module is not None
-        return pipeline_body(self.lightning_module)
+        """The module the pipeline splits (:mod:`~lightning_parallel.pipeline.discovery`):
+        before the step has run, the ``LightningModule`` where only the step can tell."""
+        module = self.lightning_module
+        assert module is not None
+        target = self._target or static_target(module, self.split_module)
+        return module if target is None else target.module
 
     @override
     def capture(self, hook: str, micro_batch: Any, hook_args: Sequence[Any]) -> tuple[Any, ...]:
-        """The positional arguments the user's ``hook`` passes to the model's ``forward``."""
+        """The positional arguments the user's ``hook`` passes to the split module's
+        ``forward`` (which module that is, decided on the first call)."""
         module = self.lightning_module
         assert module is not None
-        return capture_input(module, self._body, hook, micro_batch, hook_args)
+        if self._target is None:
+            target = static_target(module, self.split_module)
+            self._target = target or discover(module, hook, micro_batch, hook_args)
+        return capture_input(module, self._target.module, hook, micro_batch, hook_args)
 
     @override
     def ensure_pipeline(self, example_args: tuple[Any, ...]) -> Pipeline:
@@ -301,7 +302,8 @@ class PipelineStrategyBase(PipelineTraining):
         body = self._body
         with torch.inference_mode(False), torch.enable_grad():
             example = normal_tensors(example_args)
-            if body is not module and not is_deferred(module):
+            assert self._target is not None
+            if self._target.how == "layers" and not is_deferred(module):
                 check_forward_is_layers(module, body, example)
             if self._layers is None:
                 self._layers = layer_sequence(body, example)

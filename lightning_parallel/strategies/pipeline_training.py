@@ -31,7 +31,9 @@ from abc import abstractmethod
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
+import pytorch_lightning as pl
 import torch
+from pytorch_lightning.plugins.precision import MixedPrecision, Precision
 from torch import Tensor, nn
 from typing_extensions import override
 
@@ -40,6 +42,21 @@ from lightning_parallel.pipeline.microbatch import MicroBatchStep, split_microba
 from lightning_parallel.strategies.pipeline_checkpoints import PipelineCheckpoints
 
 __all__: list[str] = []
+
+
+def check_trainable(owner: str, module: pl.LightningModule, precision: Precision) -> None:
+    """Refuse what a pipeline cannot train: manual optimization (the pipeline runs forward and
+    backward itself) and gradient scaling (``precision="16-mixed"`` on CUDA)."""
+    if not module.automatic_optimization:
+        raise ValueError(
+            f"{owner} needs automatic optimization: the pipeline runs forward and backward "
+            "itself. Remove `self.automatic_optimization = False`"
+        )
+    if isinstance(precision, MixedPrecision) and precision.scaler is not None:
+        raise ValueError(
+            f"{owner} does not support gradient scaling (precision='16-mixed' on CUDA); use "
+            "precision='bf16-mixed' or '32-true'"
+        )
 
 
 class PipelineTraining(PipelineCheckpoints):

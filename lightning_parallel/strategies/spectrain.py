@@ -126,6 +126,11 @@ class SpecTrainStrategy(PipelineStrategyBase):
         timeline_path: write the measured timeline of the last ``timeline_steps`` steps there
             at the end of ``fit`` (``.json``, or ``.png`` for a plot).
         timeline_steps: steps of timeline kept.
+        module: the submodule to split, by name (``"net"``, ``"model.backbone"``). By default
+            ``self.layers`` if it is an ``nn.Sequential``, else the module that
+            ``training_step`` calls with the batch, found on the first micro-batch
+            (``self(x)``: the ``LightningModule``; ``self.net(x)``: ``net``). Parameters
+            outside it belong to the last stage (see :mod:`lightning_parallel.pipeline.discovery`).
         start_method: ``"popen"``, ``"spawn"``, ``"fork"`` or ``"forkserver"``; nothing is
             launched when processes are started externally (torchrun, SLURM, the benchmark).
         **kwargs: Lightning's strategy arguments (``accelerator``, ``parallel_devices``,
@@ -150,6 +155,7 @@ class SpecTrainStrategy(PipelineStrategyBase):
         error_sample: int = 4096,
         timeline_path: str | None = None,
         timeline_steps: int = 3,
+        module: str | None = None,
         start_method: str = "popen",
         timeout: timedelta | None = DEFAULT_TIMEOUT,
         **kwargs: Any,
@@ -163,6 +169,7 @@ class SpecTrainStrategy(PipelineStrategyBase):
             partition=partition,
             timeline_path=timeline_path,
             timeline_steps=timeline_steps,
+            module=module,
             start_method=start_method,
             timeout=timeout,
             **kwargs,

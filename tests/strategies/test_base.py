@@ -5,16 +5,15 @@ from __future__ import annotations
 import re
 import time
 from datetime import timedelta
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 from helpers.distributed import run_distributed
+from helpers.sources import PACKAGE, source_files
 from helpers.trainers import QUIET
 from pytorch_lightning import Callback, Trainer
 
-import lightning_parallel
 from lightning_parallel.comm import groups
 from lightning_parallel.demo import build_datamodule, build_model
 from lightning_parallel.strategies import (
@@ -102,10 +101,9 @@ def test_a_world_size_the_stages_do_not_divide_fails_when_the_trainer_is_built()
 
 
 def test_every_process_group_of_the_package_is_made_with_the_run_timeout() -> None:
-    package = Path(lightning_parallel.__file__).parent
     direct = [
-        f"{path.relative_to(package)}:{number}"
-        for path in package.rglob("*.py")
+        f"{path.relative_to(PACKAGE)}:{number}"
+        for path in source_files()
         if path.name != "groups.py"
         for number, line in enumerate(path.read_text().splitlines(), 1)
         if re.search(r"\bdist\.new_group\(|distributed\.new_group\(", line)
