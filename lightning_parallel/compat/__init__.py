@@ -2,9 +2,10 @@
 
 - :mod:`.namespaces`: ``lightning.pytorch`` and ``pytorch_lightning``, which are installed, and
   which one the user's code uses;
-- :mod:`.layer`: the Lightning layer (strategies, callbacks, demo models, CLI) built for each;
+- :mod:`.generate`: the ``lightning.pytorch`` build of the Lightning layer (strategies,
+  callbacks, demo models, CLI), written as real files from the ``pytorch_lightning`` source;
 - :mod:`.registration`: strategy names in each namespace's ``StrategyRegistry``;
-- :mod:`.public`: public class names that follow the namespace in use;
+- :mod:`.public`: which build the top-level class names are (by installation, not import order);
 - :mod:`.private`: every use of Lightning's private API, checked at construction.
 
 Only this package and the layer's modules import Lightning; the technique cores never do.

@@ -103,9 +103,22 @@ def check_arguments(
     memory_limit_bytes: float | None,
     profile_repeats: int,
     placement: str,
+    split_points: Sequence[str] | None = None,
 ) -> None:
     """Raise ``ValueError``, naming the fix, for a pipeline strategy's argument out of range
     (``how`` is its ``partition``): at construction, before any process starts."""
+    if split_points is not None:
+        if len(split_points) != stages - 1 or not all(
+            isinstance(point, str) and point for point in split_points
+        ):
+            raise ValueError(
+                f"split_points names the module that starts each of stages 1..{stages - 1}: it "
+                f"needs {stages - 1} module names, got {list(split_points)!r}"
+            )
+        if how != "auto":
+            raise ValueError(
+                f"give partition={how!r} or split_points={list(split_points)!r}, not both"
+            )
     if not isinstance(stages, int) or stages < 1:
         raise ValueError(f"stages must be a positive integer, got {stages!r}")
     if not isinstance(micro_batches, int) or micro_batches < 1:

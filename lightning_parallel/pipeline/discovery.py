@@ -15,8 +15,10 @@ Parameters outside the split module (a head or a loss module applied to its outp
 step) belong to the last stage, where the step's code after the call runs. Rule 3 refuses a
 module that holds fewer trainable parameter elements than the rest (``self.encoder(x)`` called
 first, a larger ``self.decoder`` after it): the pipeline would split the smaller part and run
-the larger on one stage; naming the module with rule 1 accepts it. Both rules are checked
-before any stage is built, and the errors name the children and the argument.
+the larger on one stage. Rule 1 accepts any module, but a module with parameters that the step
+calls *before* the split module cannot work (its parameters live on the last stage, its output
+is needed by the first). Both rules are checked before any stage is built, and the errors name
+the children and the argument.
 """
 
 from __future__ import annotations
@@ -26,12 +28,20 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
 
+import torch.fx as fx
 from torch import nn
 
 from lightning_parallel.pipeline.patching import patched
 from lightning_parallel.pipeline.stages import PipelineSplitError
 
-__all__ = ["SplitTarget", "candidates", "discover", "named_target", "static_target"]
+__all__ = [
+    "SplitTarget",
+    "candidates",
+    "discover",
+    "named_target",
+    "split_point_boundaries",
+    "static_target",
+]
 
 
 @dataclass(frozen=True)
@@ -132,9 +142,9 @@ def discover(
         raise PipelineSplitError(
             f"{kind}.{hook} calls self.{called} first, which holds {held} trainable parameter "
             f"elements against {rest} outside it ({', '.join(outside[:4])}{more}), which would "
-            "all run on the last stage; name the module to split with the strategy's "
-            f"module='<name>' argument (candidates: {sorted(children)}), or call one module "
-            "that holds the network"
+            "all run on the last stage; call one module that holds the whole network (wrap "
+            "the parts in one nn.Module), or, where the rest only runs after it, confirm it "
+            f"with the strategy's module='<name>' argument (candidates: {sorted(children)})"
         )
     return SplitTarget(called, target, "step")
 
@@ -144,3 +154,52 @@ def _stopper(name: str) -> Any:
         raise _Called(name)
 
     return stop
+
+
+def _layer_paths(layer: nn.Module, names: dict[int, str]) -> list[str]:
+    """The module names (relative to the split module) whose code runs in ``layer``: a
+    child's own name, or for a traced segment every entry of its nodes' module stacks."""
+    if id(layer) in names:
+        root = names[id(layer)]
+        return [root, *(f"{root}.{sub}" for sub, _ in layer.named_modules() if sub)]
+    paths: list[str] = []
+    if isinstance(layer, fx.GraphModule):
+        for node in layer.graph.nodes:
+            for entry in (node.meta.get("nn_module_stack") or {}).values():
+                paths.append(str(entry[0]))
+    return paths
+
+
+def split_point_boundaries(
+    layers: Sequence[nn.Module], network: nn.Module, split_points: Sequence[str]
+) -> list[int]:
+    """The boundaries that start a stage at each split point: for a module name (relative to
+    ``network``, as ``get_submodule`` takes it), the first layer that runs any of its code.
+    Where no cut is allowed right before that code (a non-tensor value is live there), the
+    stage starts at the nearest allowed cut before it.
+
+    Raises:
+        PipelineSplitError: a name that no layer runs, or one whose stage would start at the
+            first layer; names the modules the layers do run.
+    """
+    names = {id(module): name for name, module in network.named_modules() if name}
+    runs = [_layer_paths(layer, names) for layer in layers]
+    boundaries = []
+    for point in split_points:
+        first = next(
+            (
+                index
+                for index, paths in enumerate(runs)
+                if any(path == point or path.startswith(point + ".") for path in paths)
+            ),
+            None,
+        )
+        if not first:
+            seen = list(dict.fromkeys(path.split(".")[0] for paths in runs for path in paths))
+            where = "runs in the first layer" if first == 0 else "is not run by the network"
+            raise PipelineSplitError(
+                f"split point {point!r} {where}; a split point names the module a stage starts "
+                f"with, relative to the split network (its top-level modules, in order: {seen})"
+            )
+        boundaries.append(first)
+    return boundaries

@@ -100,6 +100,9 @@ class GroPipeStrategy(PipelineStrategyBase):
             ``training_step`` calls with the batch, found on the first micro-batch
             (``self(x)``: the ``LightningModule``; ``self.net(x)``: ``net``). Parameters
             outside it belong to the last stage (see :mod:`lightning_parallel.pipeline.discovery`).
+        split_points: the module that starts each of stages 1..p−1, by name relative to the
+            split module (``["layer3"]``, ``["blocks.6"]``), instead of ``partition``; a stage
+            starts at the first layer that runs the module's code.
         placement: ``"pipeline"`` (a group's stages on consecutive ranks: pipelines stay on a
             host, the data-parallel allreduce crosses hosts) or ``"stage"`` (a stage's
             replicas on consecutive ranks: the allreduce stays on a host, activations cross;
@@ -130,6 +133,7 @@ class GroPipeStrategy(PipelineStrategyBase):
         timeline_steps: int = 3,
         placement: str = "pipeline",
         module: str | None = None,
+        split_points: Sequence[str] | None = None,
         start_method: str = "popen",
         timeout: timedelta | None = DEFAULT_TIMEOUT,
         **kwargs: Any,
@@ -147,6 +151,7 @@ class GroPipeStrategy(PipelineStrategyBase):
             timeline_path=timeline_path,
             timeline_steps=timeline_steps,
             module=module,
+            split_points=split_points,
             start_method=start_method,
             timeout=timeout,
             **kwargs,

@@ -60,7 +60,13 @@ from lightning_parallel.pipeline.assembly import (
     normal_tensors,
 )
 from lightning_parallel.pipeline.device_moves import move_real
-from lightning_parallel.pipeline.discovery import SplitTarget, discover, named_target, static_target
+from lightning_parallel.pipeline.discovery import (
+    SplitTarget,
+    discover,
+    named_target,
+    split_point_boundaries,
+    static_target,
+)
 from lightning_parallel.pipeline.grad_sync import PartitionGradientSync
 from lightning_parallel.pipeline.microbatch import merge_microbatches, split_microbatches
 from lightning_parallel.pipeline.ownership import TensorNames, restrict_optimizers
@@ -73,7 +79,7 @@ from lightning_parallel.pipeline.stages import (
     put_back,
     split_stages,
 )
-from lightning_parallel.pipeline.summary import LoggedValue, LogRecorder, point_metrics_at
+from lightning_parallel.pipeline.summary import LogRecorder, point_metrics_at
 from lightning_parallel.pipeline.timeline import TimelineEvent, gather_timeline, save_timeline
 from lightning_parallel.pipeline.topology import (
     PipelineTopology,
@@ -130,6 +136,7 @@ class PipelineStrategyBase(PipelineTraining):
         timeline_path: str | None = None,
         timeline_steps: int = 3,
         module: str | None = None,
+        split_points: Sequence[str] | None = None,
         start_method: str = "popen",
         timeout: timedelta | None = DEFAULT_TIMEOUT,
         **kwargs: Any,
@@ -137,7 +144,13 @@ class PipelineStrategyBase(PipelineTraining):
         if timeline_steps < 1:
             raise ValueError(f"timeline_steps must be at least 1, got {timeline_steps}")
         check_arguments(
-            stages, micro_batches, partition, memory_limit_bytes, profile_repeats, placement
+            stages,
+            micro_batches,
+            partition,
+            memory_limit_bytes,
+            profile_repeats,
+            placement,
+            split_points,
         )
         super().__init__(timeout=timeout, start_method=start_method, **kwargs)
         self.stages = stages
@@ -148,6 +161,7 @@ class PipelineStrategyBase(PipelineTraining):
         self.placement = placement
         self.timeline_path = timeline_path
         self.split_module = module
+        self.split_points = None if split_points is None else list(split_points)
         self.timeline: collections.deque[list[TimelineEvent]] = collections.deque(
             maxlen=timeline_steps
         )
@@ -355,10 +369,13 @@ class PipelineStrategyBase(PipelineTraining):
     ) -> tuple[list[int], PartitionPlan | None]:
         if self._boundaries is not None:
             return self._boundaries, self.partition_plan
+        how = self.partition
+        if self.split_points is not None:
+            how = split_point_boundaries(layers, self._body, self.split_points)
         return choose_boundaries(
             layers,
             example,
-            how=self.partition,
+            how=how,
             stages=self.stages,
             micro_batches=self.micro_batches,
             profile_repeats=self.profile_repeats,
@@ -371,36 +388,7 @@ class PipelineStrategyBase(PipelineTraining):
             device=lambda: self.root_device,
         )
 
-    # -- the user's code ---------------------------------------------------------------------
-
-    def user_step(
-        self,
-        hook: str,
-        micro_batch: Any,
-        hook_args: Sequence[Any],
-        output: Any,
-        recorder: LogRecorder | None,
-    ) -> Any:
-        """Call the user's step method with ``forward`` returning the pipeline's ``output``."""
-        module = self.lightning_module
-        assert module is not None
-        log = recorder.log if recorder is not None else (lambda *a, **k: None)
-        with patched(self._body, "forward", lambda *a, **k: output), patched(module, "log", log):
-            return getattr(module, hook)(micro_batch, *hook_args)
-
-    def replay(self, logged: Sequence[LoggedValue]) -> None:
-        """Log on this rank what the last stage logged (its own metric objects there)."""
-        module = self.lightning_module
-        assert module is not None
-        for value in logged:
-            options = dict(value.options)
-            if value.metric is not None:
-                module.log(value.name, value.metric, **options)
-            else:
-                options.pop("metric_attribute", None)
-                module.log(
-                    value.name, torch.tensor(value.value, device=self.root_device), **options
-                )
+    # -- evaluation ------------------------------------------------------------------------
 
     def _evaluation_step(self, hook: str, context: Callable[[], Any], args: tuple[Any, ...]) -> Any:
         batch, hook_args = args[0], args[1:]

@@ -21,7 +21,10 @@ runs every micro-batch's forward and backward itself, inside ``training_step``, 
 3. **clipping by norm** uses the whole model's norm, not the stage's: from setup to teardown
    the precision plugin's ``clip_grad_by_norm`` is replaced by one that multiplies the stage's
    gradients by ``clip / (norm + 1e-6)`` when that is below 1, the norm given by the engine's
-   :meth:`~PipelineTraining.gradient_norm` (clipping by value is per element: Lightning's own).
+   :meth:`~PipelineTraining.gradient_norm` (clipping by value is per element: Lightning's own);
+4. **the user's code**: :meth:`~PipelineTraining.user_step` runs a step method with the split
+   network's ``forward`` returning the pipeline's output, and
+   :meth:`~PipelineTraining.replay` logs on every rank what the last stage logged.
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ from typing_extensions import override
 
 from lightning_parallel.pipeline.assembly import Pipeline
 from lightning_parallel.pipeline.microbatch import MicroBatchStep, split_microbatches
+from lightning_parallel.pipeline.patching import patched
+from lightning_parallel.pipeline.summary import LoggedValue, LogRecorder
 from lightning_parallel.strategies.pipeline_checkpoints import PipelineCheckpoints
 
 __all__: list[str] = []
@@ -74,6 +79,40 @@ class PipelineTraining(PipelineCheckpoints):
         ) -> tuple[Any, ...]: ...
 
         def ensure_pipeline(self, example_args: tuple[Any, ...]) -> Pipeline: ...
+
+        @property
+        def _body(self) -> nn.Module: ...
+
+    # -- the user's code ---------------------------------------------------------------------
+
+    def user_step(
+        self,
+        hook: str,
+        micro_batch: Any,
+        hook_args: Sequence[Any],
+        output: Any,
+        recorder: LogRecorder | None,
+    ) -> Any:
+        """Call the user's step method with ``forward`` returning the pipeline's ``output``."""
+        module = self.lightning_module
+        assert module is not None
+        log = recorder.log if recorder is not None else (lambda *a, **k: None)
+        with patched(self._body, "forward", lambda *a, **k: output), patched(module, "log", log):
+            return getattr(module, hook)(micro_batch, *hook_args)
+
+    def replay(self, logged: Sequence[LoggedValue]) -> None:
+        """Log on this rank what the last stage logged (its own metric objects there)."""
+        module = self.lightning_module
+        assert module is not None
+        for value in logged:
+            options = dict(value.options)
+            if value.metric is not None:
+                module.log(value.name, value.metric, **options)
+            else:
+                options.pop("metric_attribute", None)
+                module.log(
+                    value.name, torch.tensor(value.value, device=self.root_device), **options
+                )
 
     # -- the training step -------------------------------------------------------------------
 

@@ -131,6 +131,9 @@ class SpecTrainStrategy(PipelineStrategyBase):
             ``training_step`` calls with the batch, found on the first micro-batch
             (``self(x)``: the ``LightningModule``; ``self.net(x)``: ``net``). Parameters
             outside it belong to the last stage (see :mod:`lightning_parallel.pipeline.discovery`).
+        split_points: the module that starts each of stages 1..p−1, by name relative to the
+            split module (``["layer3"]``, ``["blocks.6"]``), instead of ``partition``; a stage
+            starts at the first layer that runs the module's code.
         start_method: ``"popen"``, ``"spawn"``, ``"fork"`` or ``"forkserver"``; nothing is
             launched when processes are started externally (torchrun, SLURM, the benchmark).
         **kwargs: Lightning's strategy arguments (``accelerator``, ``parallel_devices``,
@@ -156,6 +159,7 @@ class SpecTrainStrategy(PipelineStrategyBase):
         timeline_path: str | None = None,
         timeline_steps: int = 3,
         module: str | None = None,
+        split_points: Sequence[str] | None = None,
         start_method: str = "popen",
         timeout: timedelta | None = DEFAULT_TIMEOUT,
         **kwargs: Any,
@@ -170,6 +174,7 @@ class SpecTrainStrategy(PipelineStrategyBase):
             timeline_path=timeline_path,
             timeline_steps=timeline_steps,
             module=module,
+            split_points=split_points,
             start_method=start_method,
             timeout=timeout,
             **kwargs,

@@ -5,6 +5,7 @@ network) is refused before any stage is built, naming the candidates and the arg
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -13,11 +14,16 @@ import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
 from pytorch_lightning.callbacks import ModelCheckpoint
-from test_gropipe import assert_same_weights, loader, trainer
+from test_gropipe import RankReport, assert_same_weights, loader, trainer
 from torch import nn
 
-from lightning_parallel.pipeline.discovery import discover, named_target, static_target
-from lightning_parallel.pipeline.stages import PipelineSplitError
+from lightning_parallel.pipeline.discovery import (
+    discover,
+    named_target,
+    split_point_boundaries,
+    static_target,
+)
+from lightning_parallel.pipeline.stages import PipelineSplitError, layer_sequence
 from lightning_parallel.strategies.gropipe import GroPipeStrategy
 from lightning_parallel.strategies.spectrain import SpecTrainStrategy
 
@@ -185,3 +191,46 @@ def test_a_step_that_calls_two_networks_fails_before_any_stage_is_built(strategy
     # every rank stops at its first step (the fork launcher raises one rank's error here)
     with pytest.raises(Exception, match=r"PipelineSplitError: .* would all run on the last stage"):
         _fit(TwoNetworks(), strategy(stages=2, micro_batches=2, start_method="fork"), 2)
+
+
+def test_split_points_start_a_stage_at_the_named_modules_first_layer() -> None:
+    network = Network()
+    layers = layer_sequence(network, (torch.randn(4, 6),))
+    ran = [[n.target for n in layer.graph.nodes if n.op == "call_module"] for layer in layers]
+    assert split_point_boundaries(layers, network, ["block"]) == [ran.index(["block"])]
+    assert split_point_boundaries(layers, network, ["block", "head"]) == [
+        ran.index(["block"]),
+        ran.index(["head"]),
+    ]
+    sequence = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Sequential(nn.Linear(8, 3)))
+    assert split_point_boundaries(list(sequence), sequence, ["2"]) == [2]
+    assert split_point_boundaries(list(sequence), sequence, ["2.0"]) == [2]
+    with pytest.raises(PipelineSplitError, match=r"'stem' runs in the first layer"):
+        split_point_boundaries(layers, network, ["stem"])
+    with pytest.raises(
+        PipelineSplitError, match=r"'blocks' is not run.*\['stem', 'block', 'head'\]"
+    ):
+        split_point_boundaries(layers, network, ["blocks"])
+
+
+def test_split_points_are_checked_when_the_strategy_is_built() -> None:
+    with pytest.raises(ValueError, match=r"needs 1 module names, got \['a', 'b'\]"):
+        GroPipeStrategy(stages=2, split_points=["a", "b"])
+    with pytest.raises(ValueError, match="not both"):
+        SpecTrainStrategy(stages=2, partition="even", split_points=["head"])
+
+
+def test_gropipe_cuts_at_the_split_point_and_still_trains_as_one_device(tmp_path: Path) -> None:
+    reference = NoForward()
+    _fit(reference, "auto", 1)
+    model = NoForward()
+    strategy = GroPipeStrategy(
+        stages=2, micro_batches=4, split_points=["head"], start_method="fork"
+    )
+    _fit(model, strategy, 2, callbacks=[RankReport(tmp_path)])
+    assert_same_weights(reference, model)
+    layers = layer_sequence(model.net, (torch.randn(4, 6),))
+    expected = split_point_boundaries(layers, model.net, ["head"])[0]
+    for rank in range(2):
+        gauges = json.loads((tmp_path / f"rank{rank}.json").read_text())["gauges"]
+        assert gauges["partition_boundary_0"] == expected
