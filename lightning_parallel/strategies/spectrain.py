@@ -126,14 +126,9 @@ class SpecTrainStrategy(PipelineStrategyBase):
         timeline_path: write the measured timeline of the last ``timeline_steps`` steps there
             at the end of ``fit`` (``.json``, or ``.png`` for a plot).
         timeline_steps: steps of timeline kept.
-        module: the submodule to split, by name (``"net"``, ``"model.backbone"``). By default
-            ``self.layers`` if it is an ``nn.Sequential``, else the module that
-            ``training_step`` calls with the batch, found on the first micro-batch
-            (``self(x)``: the ``LightningModule``; ``self.net(x)``: ``net``). Parameters
-            outside it belong to the last stage (see :mod:`lightning_parallel.pipeline.discovery`).
-        split_points: the module that starts each of stages 1..p−1, by name relative to the
-            split module (``["layer3"]``, ``["blocks.6"]``), instead of ``partition``; a stage
-            starts at the first layer that runs the module's code.
+        module: the submodule to split, by name; ``split_points``: the modules that start
+            stages 1..p−1, instead of ``partition``. Both as for
+            :class:`~lightning_parallel.strategies.gropipe.GroPipeStrategy`.
         start_method: ``"popen"``, ``"spawn"``, ``"fork"`` or ``"forkserver"``; nothing is
             launched when processes are started externally (torchrun, SLURM, the benchmark).
         **kwargs: Lightning's strategy arguments (``accelerator``, ``parallel_devices``,
