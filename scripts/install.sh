@@ -12,7 +12,14 @@ PYTHON=${PYTHON:-python3}
 . .venv/bin/activate
 python -m pip install --quiet --upgrade pip
 . scripts/install_torch.sh
-python -m pip install --quiet -e ".[dev]"
+# torchvision pairs with one torch release: the torch just installed stays (a constraint), and pip
+# picks the torchvision (and timm) made for it
+constraints=$(mktemp)
+python -c "import torch; print('torch==' + torch.__version__.split('+')[0])" >"$constraints"
+python -m pip install --quiet -e ".[dev]" -c "$constraints"
+rm -f "$constraints"
+# PyPI's torchvision is built for CUDA torch; beside a CPU-only torch, a hook makes it import
+python scripts/torchvision_cpu.py
 # the lightning.pytorch build of the Lightning layer, next to its source (git-ignored)
 python -m lightning_parallel.compat.generate >/dev/null
 python -c "import lightning_parallel, torch; print('lightning_parallel', lightning_parallel.__version__, 'torch', torch.__version__)"

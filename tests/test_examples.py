@@ -85,6 +85,20 @@ def test_model_matrix_example_fits_a_strategy_on_a_model(tmp_path):
     assert "| `recommender` | `spectrain` | ok (train_loss" in result.stdout
 
 
+def test_third_party_models_example_fits_pipelines_and_a_data_parallel_strategy(tmp_path):
+    pytest.importorskip("timm", reason="the models extra (timm) is not installed")
+    command = [sys.executable, str(ROOT / "examples" / "third_party_models.py")]
+    command += ["--models", "timm_convnext", "bert", "--stages", "2", "--steps", "1"]
+    command += ["--strategies", "gropipe", "spectrain", "hylo"]
+    result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    table = result.stdout.split("| model | strategy |")[-1]
+    for strategy in ("gropipe", "spectrain", "hylo"):
+        assert f"| timm_convnext | {strategy} | 2 | ok |" in table
+    assert "| bert | gropipe | 2 | ok |" in table and "| bert | hylo | 2 | ok |" in table
+    assert "| bert | spectrain | 2 | refused: " in table  # tied weights, with the reason
+
+
 def test_bench_matrix_cells_say_fit_refusal_or_failure():
     import importlib.util
 

@@ -38,6 +38,7 @@ from lightning_parallel.pipeline.link import measure_link_seconds_per_byte
 from lightning_parallel.pipeline.ownership import (
     Ownership,
     TiedAcrossStagesError,
+    stage_tensors,
     stage_tensors_owned,
     take_ownership,
 )
@@ -58,6 +59,7 @@ from lightning_parallel.pipeline.stages import (
     is_deferred,
 )
 from lightning_parallel.pipeline.summary import StepSummary
+from lightning_parallel.pipeline.tied import TiedWeights, tied_stages
 from lightning_parallel.pipeline.topology import PLACEMENTS, PipelineTopology, ProcessGroups
 from lightning_parallel.pipeline.transport import StageTransport
 
@@ -78,6 +80,7 @@ class Pipeline:
         summary: the end-of-step exchange inside the pipeline group.
         plan: the partition plan (``None`` for given or even boundaries).
         released_bytes: bytes of the other stages' tensors this rank let go.
+        tied: the tensors this stage shares with other stages (kept equal; empty if none).
     """
 
     stages: list[StageModule]
@@ -88,6 +91,7 @@ class Pipeline:
     summary: StepSummary
     plan: PartitionPlan | None
     released_bytes: int = 0
+    tied: TiedWeights | None = None
     owned_parameters: list[nn.Parameter] = field(init=False)
     name_of: dict[int, str] = field(init=False)
 
@@ -279,6 +283,7 @@ def assemble(
     device: torch.device,
     recompute: str,
     gradient_sync: Callable[[list[nn.Parameter]], PartitionGradientSync | None],
+    tie: bool = False,
 ) -> tuple[Pipeline, dict[int, Tensor]]:
     """This rank's :class:`Pipeline` over ``stages`` (split at ``boundaries``, chosen by
     ``plan``), and ``id(tensor before) -> tensor now`` for the owned tensors materializing
@@ -295,17 +300,23 @@ def assemble(
             rank in it.
         recompute: the runtime's recomputation mode.
         gradient_sync: the stage's gradient averaging across groups, from its parameters.
+        tie: keep a copy of a tensor used by several stages on each of them
+            (:mod:`~lightning_parallel.pipeline.tied`); else such a tensor is refused.
 
     Raises:
-        PipelineSplitError: a tensor used by two stages, or a meta tensor that cannot be
-            materialized.
+        PipelineSplitError: a tensor used by two stages (without ``tie``), or a meta tensor
+            that cannot be materialized.
     """
     stage = topology.stage_of(rank)
+    shared = tied_stages([stage_tensors(s) for s in stages]) if tie else {}
+    tied_names = {names[key]: where for key, where in shared.items()}
     try:
         if release:
-            ownership = take_ownership(module, stages, stage, device, also=held_elsewhere())
+            ownership = take_ownership(
+                module, stages, stage, device, also=held_elsewhere(), tie=tie
+            )
         else:
-            owned = stage_tensors_owned(module, stages, stage)
+            owned = stage_tensors_owned(module, stages, stage, tie)
             ownership = Ownership(owned, [names[id(t)] for t in owned], {}, 0, False)
     except (TiedAcrossStagesError, ValueError) as error:
         raise PipelineSplitError(str(error)) from error
@@ -316,6 +327,10 @@ def assemble(
         with torch.no_grad():
             for tensor in owned:
                 broadcast_(tensor, source, groups.data_parallel)
+    held = {n: t for n, t in zip(ownership.names, owned) if n in tied_names}
+    tied = TiedWeights(tied_names, held, topology, rank) if tied_names else None
+    if tied is not None:
+        tied.synchronize()
     group, count = topology.group_of(rank), topology.stages
     transport = None
     if count > 1:
@@ -356,5 +371,6 @@ def assemble(
         summary,
         plan,
         ownership.released_bytes,
+        tied,
     )
     return pipeline, ownership.replaced

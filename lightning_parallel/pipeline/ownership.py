@@ -245,26 +245,31 @@ class TiedAcrossStagesError(ValueError):
     """A tensor is used by two stages; the message names the fix."""
 
 
-def stage_tensors_owned(model: nn.Module, stages: Sequence[nn.Module], stage: int) -> list[Tensor]:
+def stage_tensors_owned(
+    model: nn.Module, stages: Sequence[nn.Module], stage: int, tie: bool = False
+) -> list[Tensor]:
     """The tensors stage ``stage`` owns: its own; the last stage also every tensor of ``model``
     outside the stages (those used after the split body, in the loss, run there).
 
+    Args:
+        tie: a tensor used by several stages is owned by each of them
+            (:mod:`~lightning_parallel.pipeline.tied` keeps the copies equal); else refused.
+
     Raises:
-        TiedAcrossStagesError: a tensor used by two stages (tied weights across stages).
+        TiedAcrossStagesError: a tensor used by two stages, without ``tie``.
     """
     where: dict[int, int] = {}
-    per_stage: list[list[Tensor]] = []
-    for index, stage_module in enumerate(stages):
-        tensors = stage_tensors(stage_module)
+    per_stage = [stage_tensors(stage_module) for stage_module in stages]
+    for index, tensors in enumerate(per_stage):
         for tensor in tensors:
-            if where.setdefault(id(tensor), index) != index:
+            if where.setdefault(id(tensor), index) != index and not tie:
                 raise TiedAcrossStagesError(
                     f"a tensor of shape {tuple(tensor.shape)} is used by stages "
-                    f"{where[id(tensor)]} and {index} (tied weights); a pipeline keeps each "
-                    "tensor on one stage: untie it, or choose boundaries that keep its uses in "
-                    "one stage (partition=[...])"
+                    f"{where[id(tensor)]} and {index} (tied weights), which this strategy does "
+                    "not keep in step: use GroPipeStrategy (it holds a copy per stage and sums "
+                    "their gradients), untie it, or choose boundaries that keep its uses in one "
+                    "stage (partition=[...])"
                 )
-        per_stage.append(tensors)
     owned = list(per_stage[stage])
     if stage == len(stages) - 1:
         owned += [t for t in stage_tensors(model) if id(t) not in where]
@@ -308,6 +313,7 @@ def take_ownership(
     stage: int,
     device: torch.device,
     also: Sequence[nn.Module] = (),
+    tie: bool = False,
 ) -> Ownership:
     """Keep stage ``stage`` of ``model`` on this rank: release every other tensor to ``meta``
     and materialize the stage's own meta tensors on ``device`` (steps 1 and 2 of the module
@@ -320,12 +326,13 @@ def take_ownership(
         device: where a meta stage is materialized.
         also: modules outside ``model`` that refer to its tensors (layers an engine replaced
             and will put back).
+        tie: own the tensors this stage shares with others (see :func:`stage_tensors_owned`).
 
     Raises:
-        TiedAcrossStagesError: a tensor used by two stages.
+        TiedAcrossStagesError: a tensor used by two stages, without ``tie``.
         ValueError: a meta tensor in a module without ``reset_parameters()`` (named).
     """
-    owned = stage_tensors_owned(model, stages, stage)
+    owned = stage_tensors_owned(model, stages, stage, tie)
     name_of = TensorNames.of(model).name_of()
     names = [name_of[id(t)] for t in owned]
     deferred = any(t.is_meta for t in owned)
@@ -338,6 +345,6 @@ def take_ownership(
             f"reset_parameters(): {sorted(set(uninitialized))}; give them a reset_parameters() "
             "that initializes every parameter and buffer"
         )
-    now = stage_tensors_owned(model, stages, stage)  # the same order, materialized
+    now = stage_tensors_owned(model, stages, stage, tie)  # the same order, materialized
     replaced = {id(old): new for old, new in zip(owned, now) if old is not new}
     return Ownership(now, names, replaced, released, deferred)

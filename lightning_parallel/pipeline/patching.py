@@ -3,10 +3,12 @@
 A pipeline strategy runs the user's unchanged step methods (``training_step``, ...), whose
 ``self(x)`` must not run the whole model: the strategy sets an instance attribute over
 ``forward`` (and ``log``) for the call with :func:`patched`, and puts back what was there.
-:func:`capture_input` patches ``forward`` to raise :class:`InputCaptured` with its arguments:
+:func:`capture_call` patches ``forward`` to raise :class:`InputCaptured` with its arguments:
 the step stops at its first forward, and the arguments are stage 0's input (the step's loss
-code never runs). On the last stage the strategy patches ``forward`` to return the pipeline's
-output instead, and the step's loss code runs on it.
+code never runs; keyword arguments are flattened by
+:class:`~lightning_parallel.pipeline.export_split.FlatCall`). On the last stage the strategy
+patches ``forward`` to return the pipeline's output instead, and the step's loss code runs on
+it.
 """
 
 from __future__ import annotations
@@ -43,14 +45,14 @@ def patched(target: Any, name: str, replacement: Any) -> Iterator[None]:
             delattr(target, name)
 
 
-def capture_input(
+def capture_call(
     module: nn.Module, body: nn.Module, hook: str, micro_batch: Any, hook_args: Sequence[Any]
-) -> tuple[Any, ...]:
-    """The positional arguments ``module.hook(micro_batch, *hook_args)`` passes to ``body``'s
-    ``forward`` (``module.log`` does nothing meanwhile).
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The arguments ``module.hook(micro_batch, *hook_args)`` passes to ``body``'s ``forward``,
+    positional and keyword (``module.log`` does nothing meanwhile).
 
     Raises:
-        ValueError: the step passed keyword arguments, or never called the forward.
+        ValueError: the step never called the forward.
     """
 
     def capture(*args: Any, **kwargs: Any) -> Any:
@@ -60,14 +62,9 @@ def capture_input(
         try:
             getattr(module, hook)(micro_batch, *hook_args)
         except InputCaptured as captured:
-            if captured.kwargs:
-                raise ValueError(
-                    f"the model's forward was called with keyword arguments "
-                    f"{sorted(captured.kwargs)} in {hook}; a pipeline passes positional "
-                    "arguments only: call self(x) / self.layers(x)"
-                ) from None
-            return captured.args
+            return captured.args, captured.kwargs
     raise ValueError(
         f"{type(module).__name__}.{hook} never called the model's forward; a pipeline needs "
-        "`self(x)` (or `self.layers(x)`) once per batch in every step method it runs"
+        "`self(x)` (or `self.layers(x)`, or the call of the split module) once per batch in "
+        "every step method it runs"
     )

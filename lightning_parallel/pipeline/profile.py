@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from lightning_parallel.pipeline.recompute import recomputing
+from lightning_parallel.pipeline.stage_entry import stage_inputs
 from lightning_parallel.pipeline.weight_grad import deferred_linears, deferring_weight_gradients
 
 __all__: list[str] = []
@@ -151,7 +152,8 @@ def _shared_flush_seconds(layers: Sequence[Any], micro_batches: int, repeats: in
 
 
 def _call(layer: nn.Module, inputs: Any, first: bool) -> Any:
-    return layer(*inputs) if first else layer(inputs)
+    # a later layer gets its input as a stage does (an in-place operation on it is allowed)
+    return layer(*inputs) if first else layer(stage_inputs(inputs))
 
 
 def profile_layers(

@@ -177,11 +177,27 @@ def _trace(module: nn.Module) -> fx.GraphModule:
 
 
 def _is_tensor_value(node: fx.Node) -> bool:
-    return isinstance(node.meta.get("tensor_meta"), TensorMetadata)
+    # a traced graph after ShapeProp has tensor_meta, an exported one has val (a fake tensor)
+    return isinstance(node.meta.get("tensor_meta"), TensorMetadata) or isinstance(
+        node.meta.get("val"), torch.Tensor
+    )
+
+
+def _symbolic_size(node: fx.Node) -> str | None:
+    """The expression of a symbolic integer value (a dynamic size), else ``None``."""
+    value = node.meta.get("val")
+    return str(value) if isinstance(value, torch.SymInt) else None
 
 
 class _GraphCutter:
-    """Live values and allowed cuts of a traced graph; builds one graph module per segment."""
+    """Live values and allowed cuts of a traced graph; builds one graph module per segment.
+
+    Tensors cross a cut. A symbolic size (an exported graph's dynamic batch size, read once
+    from the input and used by every later ``view``) does not: where a tensor crossing the
+    cut has that size in one of its dimensions, the segment after the cut reads it from that
+    tensor again (``aten.sym_size``); a cut where some other value would have to cross is not
+    offered.
+    """
 
     def __init__(self, graph_module: fx.GraphModule) -> None:
         self.root = graph_module
@@ -202,9 +218,28 @@ class _GraphCutter:
                     break
         return live
 
-    def allowed(self, cut: int) -> bool:
+    def carried(self, cut: int) -> tuple[list[fx.Node], dict[fx.Node, tuple[fx.Node, int]]]:
+        """The tensors that cross cut ``cut``, and for each live symbolic size the carried
+        tensor and dimension it is read from again; ``([], {})`` where the cut is not allowed."""
         live = self.live_at(cut)
-        return bool(live) and all(_is_tensor_value(value) for value in live)
+        tensors = [value for value in live if _is_tensor_value(value)]
+        dimensions: dict[str, tuple[fx.Node, int]] = {}
+        for tensor in tensors:
+            for dimension, size in enumerate(getattr(tensor.meta.get("val"), "shape", ())):
+                if isinstance(size, torch.SymInt):
+                    dimensions.setdefault(str(size), (tensor, dimension))
+        derived: dict[fx.Node, tuple[fx.Node, int]] = {}
+        for value in live:
+            if value in tensors:
+                continue
+            expression = _symbolic_size(value)
+            if expression is None or expression not in dimensions:
+                return [], {}
+            derived[value] = dimensions[expression]
+        return tensors, derived
+
+    def allowed(self, cut: int) -> bool:
+        return bool(self.carried(cut)[0])
 
     def segment(self, start: int, end: int) -> fx.GraphModule:
         graph = fx.Graph()
@@ -213,13 +248,17 @@ class _GraphCutter:
             for placeholder in self.placeholders:
                 env[placeholder] = graph.node_copy(placeholder)
         else:
-            live = self.live_at(start)
+            live, derived = self.carried(start)
             inputs = graph.placeholder("inputs")
             if len(live) == 1:
                 env[live[0]] = inputs
             else:
                 for index, value in enumerate(live):
                     env[value] = graph.call_function(operator.getitem, (inputs, index))
+            for value, (tensor, dimension) in derived.items():
+                size = torch.ops.aten.sym_size.int
+                env[value] = graph.call_function(size, (env[tensor], dimension))
+                env[value].meta = dict(value.meta)
         attributes: dict[str, fx.Node] = {}
 
         def lookup(node: fx.Node) -> fx.Node:
@@ -234,9 +273,32 @@ class _GraphCutter:
         if end == len(self.compute):
             graph.output(fx.node.map_arg(self.output.args[0], lookup))
         else:
-            live_out = [lookup(value) for value in self.live_at(end)]
+            live_out = [lookup(value) for value in self.carried(end)[0]]
             graph.output(live_out[0] if len(live_out) == 1 else tuple(live_out))
         return fx.GraphModule(self.root, graph, class_name="TracedLayer")
+
+
+def _substitute(placeholder: fx.Node, value: Any) -> Any:
+    def substitute(node: fx.Node) -> Any:
+        return value if node is placeholder else node
+
+    return substitute
+
+
+def _bake_defaults(graph_module: fx.GraphModule, passed: int) -> None:
+    """Make the parameters the call leaves at their defaults (``attn_mask=None``,
+    ``is_causal=False``) constants of the graph: a placeholder would be a non-tensor value live
+    across every later cut, and no cut would be offered."""
+    placeholders = [n for n in graph_module.graph.nodes if n.op == "placeholder"]
+    for node in placeholders[passed:]:
+        if not node.args or isinstance(node.args[0], torch.Tensor):
+            continue
+        for user in list(node.users):
+            user.args = fx.node.map_arg(user.args, _substitute(node, node.args[0]))
+            user.kwargs = fx.node.map_arg(user.kwargs, _substitute(node, node.args[0]))
+        graph_module.graph.erase_node(node)
+    graph_module.graph.lint()
+    graph_module.recompile()
 
 
 def traced_layers(module: nn.Module, example_args: tuple[Any, ...]) -> list[nn.Module]:
@@ -246,6 +308,7 @@ def traced_layers(module: nn.Module, example_args: tuple[Any, ...]) -> list[nn.M
         Graph modules sharing ``module``'s parameters; chained, they compute ``module``.
     """
     graph_module = _trace(module)
+    _bake_defaults(graph_module, len(example_args))
     if is_deferred(module):  # weights only as shapes: propagate shapes on meta inputs
         example_args = tuple(
             torch.empty_like(a, device="meta") if isinstance(a, torch.Tensor) else a
@@ -263,9 +326,15 @@ def traced_layers(module: nn.Module, example_args: tuple[Any, ...]) -> list[nn.M
         ) from error
     finally:
         module.train(was_training)
+    return cut_graph(graph_module, type(module).__name__)
+
+
+def cut_graph(graph_module: fx.GraphModule, name: str) -> list[nn.Module]:
+    """``graph_module`` (traced or exported, ``name`` in errors) cut at every place only tensors
+    cross: graph modules sharing its tensors that, chained, compute it."""
     cutter = _GraphCutter(graph_module)
     if not cutter.compute:
-        raise PipelineSplitError(f"{type(module).__name__} has no operation to split")
+        raise PipelineSplitError(f"{name} has no operation to split")
     cuts = [0] + [c for c in range(1, len(cutter.compute)) if cutter.allowed(c)]
     cuts.append(len(cutter.compute))
     return [cutter.segment(cuts[i], cuts[i + 1]) for i in range(len(cuts) - 1)]

@@ -256,6 +256,8 @@ class GroPipeStrategy(PipelineStrategyBase):
             stats.wait_seconds,
         )
         self._last_sync = self.finish_gradients(pipeline)
+        if pipeline.tied:  # the step's gradients of tied tensors, summed over their stages
+            pipeline.tied.sum_gradients()
         self._stash = self._take_gradients()
         self._give_gradients(previous)
         self.record(summary, stats, count)
@@ -305,9 +307,11 @@ class GroPipeStrategy(PipelineStrategyBase):
         group."""
         assert self._groups is not None
         parameters = [p for p in self.precision_plugin.main_params(optimizer) if p.grad is not None]
+        tied = self._pipeline.tied if self._pipeline is not None else None
+        counted = [p for p in parameters if tied is None or tied.counted(p)]
         device = parameters[0].grad.device if parameters else self.root_device  # type: ignore[union-attr]
         squares = torch.zeros(1, dtype=torch.float64, device=device)
-        for parameter in parameters:
+        for parameter in counted:  # a tied tensor once, on the first stage holding it
             assert parameter.grad is not None
             squares += parameter.grad.detach().double().pow(2).sum()
         if self.stages > 1:

@@ -67,15 +67,23 @@ from lightning_parallel.pipeline.discovery import (
     split_point_boundaries,
     static_target,
 )
+from lightning_parallel.pipeline.export_split import (
+    FlatCall,
+    merge_outputs,
+    split_layers,
+    stage_zero_inputs,
+)
 from lightning_parallel.pipeline.grad_sync import PartitionGradientSync
-from lightning_parallel.pipeline.microbatch import merge_microbatches, split_microbatches
+from lightning_parallel.pipeline.microbatch import (
+    batch_size,
+    split_microbatches,
+)
 from lightning_parallel.pipeline.ownership import TensorNames, restrict_optimizers
 from lightning_parallel.pipeline.partition import PartitionPlan
-from lightning_parallel.pipeline.patching import capture_input, patched
+from lightning_parallel.pipeline.patching import capture_call, patched
 from lightning_parallel.pipeline.schedule import Schedule
 from lightning_parallel.pipeline.stages import (
     is_deferred,
-    layer_sequence,
     put_back,
     split_stages,
 )
@@ -172,6 +180,7 @@ class PipelineStrategyBase(PipelineTraining):
         self._pipeline = None
         self._boundaries = None
         self._layers: list[nn.Module] | None = None
+        self._call: FlatCall | None = None  # how the exported layers are called
         self._target: SplitTarget | None = None
         self._resume = None
         self._names: dict[int, str] = {}
@@ -304,7 +313,9 @@ class PipelineStrategyBase(PipelineTraining):
         if self._target is None:
             target = static_target(module, self.split_module)
             self._target = target or discover(module, hook, micro_batch, hook_args)
-        return capture_input(module, self._target.module, hook, micro_batch, hook_args)
+        args, kwargs = capture_call(module, self._target.module, hook, micro_batch, hook_args)
+        self._call, inputs = stage_zero_inputs(self._call, self._layers is not None, args, kwargs)
+        return inputs
 
     @override
     def ensure_pipeline(self, example_args: tuple[Any, ...]) -> Pipeline:
@@ -320,7 +331,7 @@ class PipelineStrategyBase(PipelineTraining):
             if self._target.how == "layers" and not is_deferred(module):
                 check_forward_is_layers(module, body, example)
             if self._layers is None:
-                self._layers = layer_sequence(body, example)
+                self._layers, self._call, example = split_layers(body, example, self._call)
             layers = self._layers
             boundaries, plan = self._choose_boundaries(layers, example)
         stages = split_stages(layers, boundaries)
@@ -340,6 +351,7 @@ class PipelineStrategyBase(PipelineTraining):
             device=self.root_device,
             recompute=self.recompute,
             gradient_sync=self.gradient_sync,
+            tie=self.ties_weights,
         )
         self._boundaries, self.partition_plan = boundaries, plan
         self._apply_resume(self._pipeline)
@@ -406,7 +418,9 @@ class PipelineStrategyBase(PipelineTraining):
         result = None
         recorder = LogRecorder()
         if runtime.is_last:
-            merged = merge_microbatches([stats.outputs[j] for j in range(len(micro))])
+            outputs = [stats.outputs[j] for j in range(len(micro))]
+            sizes = [batch_size(part) for part in micro]
+            merged = merge_outputs(outputs, sizes, flat=self._call is not None)
             with context():
                 result = self.user_step(hook, batch, hook_args, merged, recorder)
         summary = pipeline.summary.exchange(logged=recorder.combined() if runtime.is_last else ())

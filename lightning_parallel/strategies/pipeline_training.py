@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import inspect
 from abc import abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import pytorch_lightning as pl
@@ -41,6 +41,7 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_parallel.pipeline.assembly import Pipeline
+from lightning_parallel.pipeline.export_split import FlatCall
 from lightning_parallel.pipeline.microbatch import MicroBatchStep, split_microbatches
 from lightning_parallel.pipeline.patching import patched
 from lightning_parallel.pipeline.summary import LoggedValue, LogRecorder
@@ -71,6 +72,11 @@ class PipelineTraining(PipelineCheckpoints):
     micro_batches: int
     #: what a stage does during a training step (the activity a failure reports)
     step_activity: ClassVar[str] = "pipeline schedule"
+    #: whether a tensor used by several stages is held by each, its gradients summed
+    #: (:mod:`~lightning_parallel.pipeline.tied`); else it is refused
+    ties_weights: ClassVar[bool] = True
+    #: how the split module's exported layers are called (``None``: positional, traced)
+    _call: FlatCall | None = None
 
     if TYPE_CHECKING:  # what this half calls of the assembly (PipelineStrategyBase's)
 
@@ -97,8 +103,17 @@ class PipelineTraining(PipelineCheckpoints):
         module = self.lightning_module
         assert module is not None
         log = recorder.log if recorder is not None else (lambda *a, **k: None)
+        output = output if self._call is None else self._call.output(output)
         with patched(self._body, "forward", lambda *a, **k: output), patched(module, "log", log):
             return getattr(module, hook)(micro_batch, *hook_args)
+
+    def stage_forward(self, run: Callable[..., Any]) -> Callable[..., Any]:
+        """A ``forward`` for the split module that calls ``run`` (the stage) with the
+        pipeline's inputs for the user's call and gives its output the module's structure."""
+        call = self._call
+        if call is None:
+            return lambda *args, **kwargs: run(*args)
+        return lambda *args, **kwargs: call.output(run(*call.inputs(args, kwargs)))
 
     def replay(self, logged: Sequence[LoggedValue]) -> None:
         """Log on this rank what the last stage logged (its own metric objects there)."""

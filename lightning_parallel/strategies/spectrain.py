@@ -46,7 +46,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, ClassVar
 
 import pytorch_lightning as pl
 import torch
@@ -136,6 +136,9 @@ class SpecTrainStrategy(PipelineStrategyBase):
             ``process_group_backend``), passed on by :class:`ParallelStrategyBase`.
         timeout: collective timeout.
     """
+
+    #: a tied tensor's copies would be updated at different times (no flush): refused
+    ties_weights: ClassVar[bool] = False
 
     reports_communication = True
     step_activity = "no-flush pipeline"
@@ -326,7 +329,7 @@ class SpecTrainStrategy(PipelineStrategyBase):
         def loss_fn(forward: Any, index: int) -> Tensor:
             recorder.start_micro_batch(step.weight(index))
             with (
-                patched(self._body, "forward", lambda *a, **k: forward(*a)),
+                patched(self._body, "forward", self.stage_forward(forward)),
                 patched(module, "log", recorder.log),
             ):
                 result = module.training_step(step.micro[index], *step.hook_args)

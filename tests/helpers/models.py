@@ -83,3 +83,58 @@ def image_loader(samples: int = 64, batch_size: int = 8) -> DataLoader:
     x = torch.randn(samples, 1, 8, 8, generator=generator)
     y = torch.randint(0, 4, (samples,), generator=generator)
     return DataLoader(TensorDataset(x, y), batch_size=batch_size)
+
+
+class TiedKeywordLM(pl.LightningModule):
+    """A language model as transformers writes one, in plain torch: no ``forward`` on the
+    ``LightningModule``, the network called with keyword arguments, a dict with the loss
+    computed inside, the input embedding tied to the output head, dropout. A pipeline splits
+    it through ``torch.export`` and keeps the tied matrix on the first and last stage."""
+
+    class Network(nn.Module):
+        def __init__(self, vocabulary: int = 32, width: int = 32, blocks: int = 4) -> None:
+            super().__init__()
+            self.embedding = nn.Embedding(vocabulary, width)
+            self.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(blocks))
+            self.dropout = nn.Dropout(0.1)
+            self.head = nn.Linear(width, vocabulary, bias=False)
+            self.head.weight = self.embedding.weight
+
+        def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> Any:
+            hidden = self.embedding(input_ids)
+            for block in self.blocks:
+                hidden = hidden + self.dropout(F.gelu(block(hidden)))
+            logits = self.head(hidden)
+            output = {"logits": logits}
+            if labels is not None:
+                flat = logits[:, :-1].reshape(-1, logits.size(-1))
+                output["loss"] = F.cross_entropy(flat, labels[:, 1:].reshape(-1))
+            return output
+
+    def __init__(self, device_type: str = "cpu") -> None:
+        super().__init__()
+        self.model = self.Network()
+        self.device_type = device_type
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (ids,) = batch
+        assert ids.device.type == self.device_type
+        loss = self.model(input_ids=ids, labels=ids)["loss"]
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        (ids,) = batch
+        self.log("val_loss", self.model(input_ids=ids, labels=ids)["loss"])
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def token_loader(samples: int = 64, batch_size: int = 8, vocabulary: int = 32) -> DataLoader:
+    """``samples`` random sequences of 12 tokens, fixed by seed 0."""
+    generator = torch.Generator().manual_seed(0)
+    return DataLoader(
+        TensorDataset(torch.randint(0, vocabulary, (samples, 12), generator=generator)),
+        batch_size=batch_size,
+    )

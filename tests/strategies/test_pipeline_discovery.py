@@ -193,6 +193,34 @@ def test_a_step_that_calls_two_networks_fails_before_any_stage_is_built(strategy
         _fit(TwoNetworks(), strategy(stages=2, micro_batches=2, start_method="fork"), 2)
 
 
+def test_a_keyword_call_with_tied_weights_trains_under_gropipe_as_one_device_does(
+    tmp_path: Path,
+) -> None:
+    """Plain torch, no transformers: keyword arguments and a dict output take the export path;
+    the embedding tied to the head lives on stages 0 and 3, its gradients summed."""
+    from helpers.models import TiedKeywordLM, token_loader
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    def fit(strategy: Any, devices: int, **options: Any) -> TiedKeywordLM:
+        torch.manual_seed(0)
+        module = TiedKeywordLM()
+        module.model.dropout.p = 0.0  # random masks would differ between the runs
+        data = token_loader().dataset
+        sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0)
+        batches = DataLoader(data, batch_size=8, sampler=sampler if devices == 1 else None)
+        trainer(strategy, devices, max_epochs=1, **options).fit(module, batches)
+        return module
+
+    reference = fit("auto", 1)
+    saver = ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    strategy = GroPipeStrategy(stages=4, micro_batches=2, partition="even", start_method="fork")
+    piped = fit(strategy, 4, callbacks=[saver], enable_checkpointing=True)
+    assert_same_weights(reference, piped)
+    saved = torch.load(tmp_path / "last.ckpt")["state_dict"]
+    TiedKeywordLM().load_state_dict(saved, strict=True)
+    assert torch.equal(saved["model.head.weight"], saved["model.embedding.weight"])
+
+
 def test_split_points_start_a_stage_at_the_named_modules_first_layer() -> None:
     network = Network()
     layers = layer_sequence(network, (torch.randn(4, 6),))

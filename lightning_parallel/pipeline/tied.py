@@ -1,0 +1,114 @@
+"""Weights that several stages use: one copy per stage, their gradients summed every step.
+
+Language models tie the input embedding and the output head (GPT-2, BERT): the first stage
+looks tokens up in the matrix and the last stage multiplies by it. A pipeline cannot keep one
+tensor on two ranks, so, as DeepSpeed's ``TiedLayerSpec`` and Megatron's embedding group do,
+every stage that uses a tied tensor holds its own copy and the copies stay equal:
+
+1. at assembly the copies start equal: broadcast from the first stage that uses the tensor
+   to the others (:meth:`TiedWeights.synchronize`; a stage materialized from ``meta`` has
+   its own random values until then);
+2. every step, after each stage's gradient is complete (and averaged across data-parallel
+   groups), the copies' gradients are **summed** over the stages that hold them
+   (:meth:`TiedWeights.sum_gradients`): the gradient of a shared tensor is the sum of the
+   gradients of its uses, which is what one device computes;
+3. the optimizers of those stages then apply the same update to the same value with the same
+   state, so the copies stay equal without another transfer;
+4. the whole model's gradient norm counts the tensor once (:meth:`TiedWeights.counted`: on the
+   first stage that holds it), and a checkpoint holds it once under each of its names.
+
+The process group of each set of stages holding a tied tensor is created at assembly by every
+rank (``new_group`` is collective), one per pipeline.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_parallel.comm.devices import broadcast_, to_group
+from lightning_parallel.comm.groups import new_group
+from lightning_parallel.pipeline.topology import PipelineTopology
+
+__all__: list[str] = []
+
+
+def tied_stages(stage_tensors: Sequence[Sequence[Tensor]]) -> dict[int, list[int]]:
+    """``id(tensor) -> the stages that use it`` for every tensor used by more than one stage,
+    from each stage's tensors."""
+    where: dict[int, list[int]] = {}
+    for stage, tensors in enumerate(stage_tensors):
+        for tensor in tensors:
+            stages = where.setdefault(id(tensor), [])
+            if stage not in stages:
+                stages.append(stage)
+    return {key: stages for key, stages in where.items() if len(stages) > 1}
+
+
+class TiedWeights:
+    """This rank's share of the tied tensors: which it holds, with whom, over which group.
+
+    Args:
+        tied: ``name -> the stages that use it`` for every tied tensor of the model.
+        held: ``name -> tensor`` of this rank's tied tensors (a subset of ``tied``).
+        topology: the placement; ``rank`` this rank's global rank.
+
+    Every rank must construct it at the same point (it creates process groups).
+    """
+
+    def __init__(
+        self,
+        tied: Mapping[str, Sequence[int]],
+        held: Mapping[str, Tensor],
+        topology: PipelineTopology,
+        rank: int,
+    ) -> None:
+        self.names = sorted(tied)
+        stage, group_index = topology.stage_of(rank), topology.group_of(rank)
+        self._entries: list[tuple[Tensor, dist.ProcessGroup | None, int]] = []
+        self._not_counted: set[int] = set()
+        groups: dict[tuple[int, ...], dict[int, dist.ProcessGroup | None]] = {}
+        for name in self.names:
+            stages = tuple(sorted(tied[name]))
+            if stages not in groups:  # one group per set of stages and pipeline, made by all
+                groups[stages] = {}
+                for g in range(topology.groups):
+                    ranks = [topology.rank(g, s) for s in stages]
+                    made = new_group(ranks) if dist.is_initialized() else None
+                    groups[stages][g] = made
+            if stage in stages and name in held:
+                source = topology.rank(group_index, stages[0])
+                self._entries.append((held[name], groups[stages][group_index], source))
+                if stage != stages[0]:
+                    self._not_counted.add(id(held[name]))
+
+    def __bool__(self) -> bool:
+        return bool(self._entries)
+
+    @torch.no_grad()
+    def synchronize(self) -> None:
+        """Make every copy equal to the first stage's (at assembly)."""
+        for tensor, group, source in self._entries:
+            if group is not None:
+                broadcast_(tensor, source, group)
+
+    @torch.no_grad()
+    def sum_gradients(self) -> None:
+        """Sum each tied tensor's gradient over the stages that hold it (a missing gradient
+        counts as zero)."""
+        for tensor, group, _ in self._entries:
+            if group is None:
+                continue
+            if tensor.grad is None:
+                tensor.grad = torch.zeros_like(tensor)
+            total = to_group(tensor.grad.detach().clone(), group)
+            dist.all_reduce(total, group=group)
+            tensor.grad.copy_(total)
+
+    def counted(self, tensor: Tensor) -> bool:
+        """Whether this rank counts ``tensor`` in the whole model's gradient norm (a tied
+        tensor counts on the first stage that holds it only)."""
+        return id(tensor) not in self._not_counted
