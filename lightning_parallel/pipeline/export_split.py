@@ -227,8 +227,10 @@ def _dynamic_batch(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
     """``dynamic_shapes`` for export: dimension 0 of every tensor input ``Dim.AUTO``, by the
     names of ``module.forward``'s parameters."""
 
+    auto = Dim.AUTO  # type: ignore[attr-defined]
+
     def spec(value: Any) -> Any:
-        return {0: Dim.AUTO} if isinstance(value, Tensor) and value.dim() > 0 else None
+        return {0: auto} if isinstance(value, Tensor) and value.dim() > 0 else None
 
     bound = inspect.signature(module.forward).bind(*args, **kwargs)
     return {name: pytree.tree_map(spec, value) for name, value in bound.arguments.items()}
@@ -292,7 +294,8 @@ def export_module(
     module = wrapper.inner
     modes = {m: m.training for m in module.modules()}
     module.train()
-    dynamic = _dynamic_batch(module, args, kwargs)
+    # Dim.AUTO: torch >= 2.6; before it, the batch size is static
+    dynamic = _dynamic_batch(module, args, kwargs) if hasattr(Dim, "AUTO") else None
     export = torch.export.export
     draft = getattr(torch.export, "draft_export", None)  # torch >= 2.7
     attempts: list[Callable[[], torch.export.ExportedProgram]] = [

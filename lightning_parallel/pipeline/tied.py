@@ -24,6 +24,7 @@ rank (``new_group`` is collective), one per pipeline.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -108,7 +109,93 @@ class TiedWeights:
             dist.all_reduce(total, group=group)
             tensor.grad.copy_(total)
 
+    def delayed(self, lag: int, rank: int) -> DelayedTiedSum:
+        """The exchange a pipeline without flushes uses (:class:`DelayedTiedSum`)."""
+        return DelayedTiedSum(self._entries, lag, rank)
+
     def counted(self, tensor: Tensor) -> bool:
         """Whether this rank counts ``tensor`` in the whole model's gradient norm (a tied
         tensor counts on the first stage that holds it only)."""
         return id(tensor) not in self._not_counted
+
+
+class DelayedTiedSum:
+    """Tied tensors in a pipeline without flushes (SpecTrain): one owner, stale copies.
+
+    Each stage updates once per micro-batch, but stage 0 reaches its update ``v`` about ``p``
+    micro-batches after the last stage, in another Lightning step, so a blocking exchange at
+    update ``v`` would make the last stage wait across a step boundary. And the stages' learning
+    rates differ (SpecTrain scales a stale stage's), so equal gradients would not keep copies
+    equal. Instead the first stage that holds the tensor *owns* it and the others hold a copy
+    (:meth:`exchange`, at every holder's update ``v``):
+
+    1. every holder starts an asynchronous sum of its gradient over the holders (after
+       clipping); the owner starts an asynchronous broadcast of its current value;
+    2. the owner trains the tensor with the sum started ``lag`` updates before (none for the
+       first ``lag`` updates): the gradient of both uses, ``lag`` updates old;
+    3. a copy is not trained (its gradient is dropped): it takes the owner's value broadcast
+       ``lag`` updates before, so it is ``lag + 1`` updates stale, as SpecTrain's stale
+       stages are.
+
+    With ``lag >= p`` no wait crosses a step: when the last stage makes update ``v``, stage 0
+    has run the backward of micro-batch ``v - p`` and started that update's exchange.
+    :meth:`settle` (at a drain, where every rank is at the same point) makes the copies equal
+    to the owner.
+    """
+
+    def __init__(
+        self, entries: Sequence[tuple[Tensor, dist.ProcessGroup | None, int]], lag: int, rank: int
+    ) -> None:
+        if lag < 1:
+            raise ValueError(f"lag must be at least 1, got {lag}")
+        self.lag = lag
+        self._entries = [(t, g, source == rank, source) for t, g, source in entries if g]
+        self._pending: list[list[tuple[Any, Tensor, Any, Tensor]]] = []
+
+    @torch.no_grad()
+    def exchange(self) -> None:
+        """At this holder's next update (see the class docstring)."""
+        if not self._entries:
+            return
+        started = []
+        for tensor, group, _, source in self._entries:
+            own = tensor.grad if tensor.grad is not None else torch.zeros_like(tensor)
+            total = to_group(own.detach().clone(), group)
+            summing = dist.all_reduce(total, group=group, async_op=True)
+            value = to_group(tensor.detach().clone(), group)
+            sending = dist.broadcast(value, source, group=group, async_op=True)
+            started.append((summing, total, sending, value))
+        self._pending.append(started)
+        due = self._pending.pop(0) if len(self._pending) > self.lag else None
+        for index, (tensor, _, owner, _) in enumerate(self._entries):
+            tensor.grad = None  # a copy is not trained; the owner gets the due sum
+            if due is None:
+                continue
+            summing, total, sending, value = due[index]
+            if owner:
+                summing.wait()
+                tensor.grad = total.to(tensor.device).view_as(tensor)
+            else:
+                sending.wait()
+                tensor.copy_(value.to(tensor.device).view_as(tensor))
+
+    @torch.no_grad()
+    def settle(self) -> None:
+        """Complete the exchanges in flight and make every copy the owner's value now
+        (collective over the holders: at a drain)."""
+        for started in self._pending:
+            for summing, _, sending, _ in started:
+                summing.wait()
+                sending.wait()
+        for started in self._pending:  # the sums stay due; the stale values are superseded
+            for index, (summing, total, _, _) in enumerate(started):
+                started[index] = (summing, total, _Done(), torch.empty(0))
+        for tensor, group, _, source in self._entries:
+            broadcast_(tensor, source, group)
+
+
+class _Done:
+    """A completed exchange (its value superseded by :meth:`DelayedTiedSum.settle`)."""
+
+    def wait(self) -> None:
+        pass

@@ -79,6 +79,7 @@ from lightning_parallel.pipeline.noflush.mirror import (
 )
 from lightning_parallel.pipeline.noflush.options import check_options, stage_learning_rate_scale
 from lightning_parallel.pipeline.summary import LoggedValue, LogRecorder
+from lightning_parallel.pipeline.tied import DelayedTiedSum
 from lightning_parallel.strategies.pipeline_base import PipelineStrategyBase, patched
 
 __all__: list[str] = []
@@ -137,8 +138,9 @@ class SpecTrainStrategy(PipelineStrategyBase):
         timeout: collective timeout.
     """
 
-    #: a tied tensor's copies would be updated at different times (no flush): refused
-    ties_weights: ClassVar[bool] = False
+    #: a tied tensor's copies get their summed gradient ``p`` updates late
+    #: (:class:`~lightning_parallel.pipeline.tied.DelayedTiedSum`)
+    ties_weights: ClassVar[bool] = True
 
     reports_communication = True
     step_activity = "no-flush pipeline"
@@ -185,6 +187,7 @@ class SpecTrainStrategy(PipelineStrategyBase):
         self.error_sample = error_sample
         self.last_mirrored: Mirrored | None = None
         self._noflush: NoFlushPipeline | None = None
+        self._tied: DelayedTiedSum | None = None
         self._mirror: AsyncMirror | None = None
         self._mirror_groups: list[dist.ProcessGroup] | None = None
         self._loaded_state: dict[str, Any] | None = None
@@ -227,7 +230,7 @@ class SpecTrainStrategy(PipelineStrategyBase):
             raise ValueError(
                 f"SpecTrainStrategy needs exactly one optimizer, got {len(self.optimizers)}"
             )
-        self._noflush = None
+        self._noflush, self._tied = None, None
         self._mirror = None
 
     @override
@@ -236,7 +239,7 @@ class SpecTrainStrategy(PipelineStrategyBase):
 
     @override
     def teardown(self) -> None:
-        self._noflush = None
+        self._noflush, self._tied = None, None
         self._mirror = None
         super().teardown()
 
@@ -276,9 +279,15 @@ class SpecTrainStrategy(PipelineStrategyBase):
             learning_rate_scale=stage_learning_rate_scale(self.learning_rate_scale, k, self.stages),
         )
 
+        holders = self._pipeline.tied
+        self._tied = tied = holders.delayed(self.stages, self.global_rank) if holders else None
+
         def before_update(parameters: list[nn.Parameter]) -> None:
-            # Lightning's own pre-step work: hooks, then clipping (by norm: over all stages)
+            # Lightning's own pre-step work: hooks, then clipping (by norm: over all stages);
+            # then a tied tensor: its owner gets the holders' sum, its copies the owner's value
             after_closure(self.precision_plugin, module, optimizer)
+            if tied is not None:
+                tied.exchange()
 
         self._noflush = NoFlushPipeline(
             self._pipeline.stages[k],
@@ -437,6 +446,8 @@ class SpecTrainStrategy(PipelineStrategyBase):
         if self._noflush is not None:
             self._noflush.drain()
             self._complete(replay=False)
+            if self._tied is not None:
+                self._tied.settle()
 
     @override
     def on_validation_start(self) -> None:

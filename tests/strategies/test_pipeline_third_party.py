@@ -1,8 +1,8 @@
 """Pipelines on models users bring (examples/third_party_models.py): a transformers model called
 with keyword arguments is captured with torch.export (its ``ModelOutput`` rebuilt, dropout
 following the mode, any batch size); GPT-2's tied embedding and head train under GroPipe as on
-one device; torchvision's ResNet-50 (in-place ReLU, batch norm) too; SpecTrain refuses tied
-weights, naming the way out."""
+one device; torchvision's ResNet-50 (in-place ReLU, batch norm) too; SpecTrain keeps the copies
+of a tied weight equal."""
 
 from __future__ import annotations
 
@@ -96,10 +96,32 @@ def test_gropipe_trains_a_third_party_model_as_one_device_does(name: str, tmp_pa
     assert_same_weights(plain, piped, tolerance=0)
 
 
-def test_spectrain_refuses_tied_weights_and_names_gropipe() -> None:
-    strategy = SpecTrainStrategy(stages=2, micro_batches=2, start_method="fork")
-    with pytest.raises(Exception, match=r"tied weights.*use GroPipeStrategy"):
-        _fit("bert", strategy, 2)
+class TiedCopies(pl.Callback):
+    """Writes each rank's copy of GPT-2's tied matrix at the end of training."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+
+    def on_train_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        weight = module.model.transformer.wte.weight
+        if not weight.is_meta:
+            torch.save(weight.detach().cpu(), self.folder / f"rank{trainer.global_rank}.pt")
+
+
+@pytest.mark.parametrize("stages", [2, 4])
+def test_spectrain_keeps_the_copies_of_a_tied_weight_equal(stages: int, tmp_path: Path) -> None:
+    """The embedding on stage 0 and the head on the last stage: stage 0 owns the tensor and
+    trains it with both uses' gradients, the last stage's copy follows; at the end (a drain)
+    the copies are equal, and they trained."""
+    before = models.build("gpt2").model.transformer.wte.weight.detach().clone()
+    strategy = SpecTrainStrategy(stages=stages, micro_batches=2, start_method="fork")
+    module = models.build("gpt2")
+    run = trainer(strategy, stages, max_epochs=1, callbacks=[TiedCopies(tmp_path)])
+    run.fit(module, _loader("gpt2", shuffled=False))  # 4 batches, 8 updates: more than p
+    copies = [torch.load(path) for path in sorted(tmp_path.glob("rank*.pt"))]
+    assert len(copies) == 2  # the first and the last stage hold it, the others do not
+    assert torch.equal(copies[0], copies[1])
+    assert not torch.equal(copies[0], before)
 
 
 def test_a_shape_the_export_fixed_is_checked_before_the_micro_batch_runs() -> None:
@@ -152,3 +174,25 @@ def test_lightnings_own_demos_fit_under_both_pipelines_unchanged(demo: str, pipe
     run.fit(module)
     after = module.state_dict()
     assert any(not torch.equal(after[key], value) for key, value in before.items())
+
+
+def test_a_single_device_checkpoint_of_gpt2_resumes_under_gropipe_as_on_one_device(
+    tmp_path: Path,
+) -> None:
+    """The export path resumes a checkpoint written without a pipeline: the tied matrix and the
+    optimizer state go to both stages that hold it, and training goes on as on one device."""
+    saver = ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    _fit("gpt2", "auto", 1, callbacks=[saver], enable_checkpointing=True)
+    resumed = {}
+    for name, strategy, devices in (
+        ("one device", "auto", 1),
+        ("pipeline", GroPipeStrategy(stages=2, micro_batches=2, start_method="fork"), 2),
+    ):
+        module = models.build("gpt2")
+        for layer in module.modules():
+            if isinstance(layer, torch.nn.Dropout):
+                layer.p = 0.0
+        run = trainer(strategy, devices, max_epochs=2, limit_train_batches=2)
+        run.fit(module, _loader("gpt2", shuffled=devices == 1), ckpt_path=tmp_path / "last.ckpt")
+        resumed[name] = module
+    assert_same_weights(resumed["one device"], resumed["pipeline"], tolerance=1e-4)
