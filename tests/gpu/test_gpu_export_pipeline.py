@@ -1,8 +1,9 @@
 """A pipeline captured with torch.export on CUDA (``pytest -m gpu``; skipped without CUDA): a
 language model called with keyword arguments, its loss inside, its embedding tied to its head,
-under GroPipe with two stages (spawned ranks, both on GPU 0 over gloo where there is one GPU).
-The graph is exported on the rank's device (its device arguments are CUDA's); the tied matrix's
-gradients are summed across the stages through gloo; the checkpoint loads strictly."""
+under GroPipe and SpecTrain with two stages (spawned ranks, both on GPU 0 over gloo where there
+is one GPU). The graph is exported on the rank's device (its device arguments are CUDA's); the
+tied matrix's gradients (and under SpecTrain the owner's value) cross the stages through gloo;
+the checkpoint loads strictly and holds the matrix once under both names."""
 
 from __future__ import annotations
 
@@ -23,11 +24,11 @@ pytestmark = [
 ]
 
 
-@pytest.mark.parametrize("pipeline", ["GroPipeStrategy"])
+@pytest.mark.parametrize("pipeline", ["GroPipeStrategy", "SpecTrainStrategy"])
 def test_gpu_exported_pipeline_with_tied_weights(pipeline: str, tmp_path: Path) -> None:
-    import lightning_parallel.strategies.gropipe as gropipe
+    import lightning_parallel.pytorch_lightning as built
 
-    strategy = getattr(gropipe, pipeline)(
+    strategy = getattr(built, pipeline)(
         stages=2, micro_batches=2, start_method="spawn", **placement()
     )
     trainer = pl.Trainer(
