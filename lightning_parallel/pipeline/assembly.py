@@ -283,7 +283,6 @@ def assemble(
     device: torch.device,
     recompute: str,
     gradient_sync: Callable[[list[nn.Parameter]], PartitionGradientSync | None],
-    tie: bool = False,
 ) -> tuple[Pipeline, dict[int, Tensor]]:
     """This rank's :class:`Pipeline` over ``stages`` (split at ``boundaries``, chosen by
     ``plan``), and ``id(tensor before) -> tensor now`` for the owned tensors materializing
@@ -300,23 +299,23 @@ def assemble(
             rank in it.
         recompute: the runtime's recomputation mode.
         gradient_sync: the stage's gradient averaging across groups, from its parameters.
-        tie: keep a copy of a tensor used by several stages on each of them
-            (:mod:`~lightning_parallel.pipeline.tied`); else such a tensor is refused.
+
+    A tensor used by several stages (tied weights) is held by each of them
+    (:attr:`Pipeline.tied`, :mod:`~lightning_parallel.pipeline.tied`).
 
     Raises:
-        PipelineSplitError: a tensor used by two stages (without ``tie``), or a meta tensor
-            that cannot be materialized.
+        PipelineSplitError: a meta tensor that cannot be materialized.
     """
     stage = topology.stage_of(rank)
-    shared = tied_stages([stage_tensors(s) for s in stages]) if tie else {}
+    shared = tied_stages([stage_tensors(s) for s in stages])
     tied_names = {names[key]: where for key, where in shared.items()}
     try:
         if release:
             ownership = take_ownership(
-                module, stages, stage, device, also=held_elsewhere(), tie=tie
+                module, stages, stage, device, also=held_elsewhere(), tie=True
             )
         else:
-            owned = stage_tensors_owned(module, stages, stage, tie)
+            owned = stage_tensors_owned(module, stages, stage, tie=True)
             ownership = Ownership(owned, [names[id(t)] for t in owned], {}, 0, False)
     except (TiedAcrossStagesError, ValueError) as error:
         raise PipelineSplitError(str(error)) from error

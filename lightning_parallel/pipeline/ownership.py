@@ -265,10 +265,9 @@ def stage_tensors_owned(
             if where.setdefault(id(tensor), index) != index and not tie:
                 raise TiedAcrossStagesError(
                     f"a tensor of shape {tuple(tensor.shape)} is used by stages "
-                    f"{where[id(tensor)]} and {index} (tied weights), which this strategy does "
-                    "not keep in step: use GroPipeStrategy (it holds a copy per stage and sums "
-                    "their gradients), untie it, or choose boundaries that keep its uses in one "
-                    "stage (partition=[...])"
+                    f"{where[id(tensor)]} and {index} (tied weights); pass tie=True to give "
+                    "each stage a copy (lightning_parallel.pipeline.tied keeps them equal), "
+                    "untie it, or choose boundaries that keep its uses in one stage"
                 )
     owned = list(per_stage[stage])
     if stage == len(stages) - 1:

@@ -150,21 +150,23 @@ class DelayedTiedSum:
             raise ValueError(f"lag must be at least 1, got {lag}")
         self.lag = lag
         self._entries = [(t, g, source == rank, source) for t, g, source in entries if g]
-        self._pending: list[list[tuple[Any, Tensor, Any, Tensor]]] = []
+        # per update: (sum in flight, its buffer, broadcast in flight, its buffer); the
+        # broadcast is None once settle() superseded its value
+        self._pending: list[list[tuple[Any, Tensor, Any, Tensor | None]]] = []
 
     @torch.no_grad()
     def exchange(self) -> None:
         """At this holder's next update (see the class docstring)."""
         if not self._entries:
             return
-        started = []
+        started: list[tuple[Any, Tensor, Any, Tensor | None]] = []
         for tensor, group, _, source in self._entries:
             own = tensor.grad if tensor.grad is not None else torch.zeros_like(tensor)
             total = to_group(own.detach().clone(), group)
             summing = dist.all_reduce(total, group=group, async_op=True)
-            value = to_group(tensor.detach().clone(), group)
-            sending = dist.broadcast(value, source, group=group, async_op=True)
-            started.append((summing, total, sending, value))
+            current = to_group(tensor.detach().clone(), group)
+            sending = dist.broadcast(current, source, group=group, async_op=True)
+            started.append((summing, total, sending, current))
         self._pending.append(started)
         due = self._pending.pop(0) if len(self._pending) > self.lag else None
         for index, (tensor, _, owner, _) in enumerate(self._entries):
@@ -175,7 +177,7 @@ class DelayedTiedSum:
             if owner:
                 summing.wait()
                 tensor.grad = total.to(tensor.device).view_as(tensor)
-            else:
+            elif value is not None:
                 sending.wait()
                 tensor.copy_(value.to(tensor.device).view_as(tensor))
 
@@ -183,19 +185,11 @@ class DelayedTiedSum:
     def settle(self) -> None:
         """Complete the exchanges in flight and make every copy the owner's value now
         (collective over the holders: at a drain)."""
-        for started in self._pending:
-            for summing, _, sending, _ in started:
-                summing.wait()
-                sending.wait()
         for started in self._pending:  # the sums stay due; the stale values are superseded
-            for index, (summing, total, _, _) in enumerate(started):
-                started[index] = (summing, total, _Done(), torch.empty(0))
+            for index, (summing, total, sending, _) in enumerate(started):
+                summing.wait()
+                if sending is not None:
+                    sending.wait()
+                started[index] = (summing, total, None, None)
         for tensor, group, _, source in self._entries:
             broadcast_(tensor, source, group)
-
-
-class _Done:
-    """A completed exchange (its value superseded by :meth:`DelayedTiedSum.settle`)."""
-
-    def wait(self) -> None:
-        pass

@@ -351,7 +351,6 @@ class PipelineStrategyBase(PipelineTraining):
             device=self.root_device,
             recompute=self.recompute,
             gradient_sync=self.gradient_sync,
-            tie=self.ties_weights,
         )
         self._boundaries, self.partition_plan = boundaries, plan
         self._apply_resume(self._pipeline)

@@ -72,9 +72,6 @@ class PipelineTraining(PipelineCheckpoints):
     micro_batches: int
     #: what a stage does during a training step (the activity a failure reports)
     step_activity: ClassVar[str] = "pipeline schedule"
-    #: whether a tensor used by several stages is held by each, its gradients summed
-    #: (:mod:`~lightning_parallel.pipeline.tied`); else it is refused
-    ties_weights: ClassVar[bool] = True
     #: how the split module's exported layers are called (``None``: positional, traced)
     _call: FlatCall | None = None
 

@@ -46,7 +46,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from datetime import timedelta
-from typing import Any, ClassVar
+from typing import Any
 
 import pytorch_lightning as pl
 import torch
@@ -137,10 +137,6 @@ class SpecTrainStrategy(PipelineStrategyBase):
             ``process_group_backend``), passed on by :class:`ParallelStrategyBase`.
         timeout: collective timeout.
     """
-
-    #: a tied tensor's copies get their summed gradient ``p`` updates late
-    #: (:class:`~lightning_parallel.pipeline.tied.DelayedTiedSum`)
-    ties_weights: ClassVar[bool] = True
 
     reports_communication = True
     step_activity = "no-flush pipeline"

@@ -116,8 +116,11 @@ def test_spectrain_keeps_the_copies_of_a_tied_weight_equal(stages: int, tmp_path
     before = models.build("gpt2").model.transformer.wte.weight.detach().clone()
     strategy = SpecTrainStrategy(stages=stages, micro_batches=2, start_method="fork")
     module = models.build("gpt2")
-    run = trainer(strategy, stages, max_epochs=1, callbacks=[TiedCopies(tmp_path)])
-    run.fit(module, _loader("gpt2", shuffled=False))  # 4 batches, 8 updates: more than p
+    # a validation after 2 of the 4 batches drains the pipeline mid-epoch: the copies are
+    # settled, and the exchanges still due go on after it
+    options = {"limit_val_batches": 1, "val_check_interval": 2}
+    run = trainer(strategy, stages, max_epochs=1, callbacks=[TiedCopies(tmp_path)], **options)
+    run.fit(module, _loader("gpt2", shuffled=False), _loader("gpt2", shuffled=False))
     copies = [torch.load(path) for path in sorted(tmp_path.glob("rank*.pt"))]
     assert len(copies) == 2  # the first and the last stage hold it, the others do not
     assert torch.equal(copies[0], copies[1])
