@@ -58,8 +58,12 @@ EOF
 run_tests() {
   local select=() workers=()
   [ -n "${GPU_TESTS:-}" ] && select=(-k "$GPU_TESTS")
-  if [ -n "${GPU_TEST_WORKERS:-}" ] && "$PYTHON" -c "import xdist" 2>/dev/null; then
+  if ! "$PYTHON" -c "import xdist" 2>/dev/null; then
+    workers=(-o "addopts=--strict-markers -ra")  # pyproject's addopts ask for xdist's -n
+  elif [ -n "${GPU_TEST_WORKERS:-}" ]; then
     workers=(-n "$GPU_TEST_WORKERS")
+  else
+    workers=(-n 0)
   fi
   timeout --kill-after=10 "${TESTS_TIMEOUT:-0}" \
     "$PYTHON" -m pytest -m gpu "${select[@]}" "${workers[@]}" -p no:cacheprovider -v -rs 2>&1 \

@@ -12,6 +12,6 @@ PYTHON=${PYTHON:-python3}
 . .venv-oldest/bin/activate
 python -m pip install --quiet --upgrade pip
 . scripts/install_torch.sh
-python -m pip install --quiet -e . "pytorch-lightning==$OLDEST" "pytest>=8" "pytest-timeout>=2.2"
+python -m pip install --quiet -e . "pytorch-lightning==$OLDEST" "pytest>=8" "pytest-timeout>=2.2" "pytest-xdist>=3.5"
 python -c "import pytorch_lightning as pl; assert pl.__version__ == '$OLDEST', pl.__version__; print('pytorch-lightning', pl.__version__)"
 python -m pytest tests/test_compat.py

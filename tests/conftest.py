@@ -35,9 +35,25 @@ def _environment() -> Iterator[None]:
         os.environ.update(saved)
 
 
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """``-n auto`` (pyproject's addopts): one worker more than there are cores, at most 8.
+
+    Much of the suite waits (a frozen rank's heartbeat, a collective's timeout, a subprocess
+    starting), so a third worker on 2 cores fills that time; more would only crowd the CPU.
+    """
+    return min(8, (os.cpu_count() or 1) + 1)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Fault and real-network tests are ``slow`` too: ``pytest -m "not slow"`` (the quick loop)
     leaves out whatever waits for a timeout or builds network namespaces."""
     for item in items:
         if item.get_closest_marker("faults") or item.get_closest_marker("netns"):
             item.add_marker(pytest.mark.slow)
+    # the long tests first, the longest of them (the top-level files: examples, docs pages,
+    # the CLI and the type checkers, each in fresh processes) before the rest: on pytest-xdist's
+    # workers the short tests then fill the gaps, instead of one worker finishing a long test
+    # alone at the end
+    items.sort(
+        key=lambda item: (item.get_closest_marker("slow") is None, item.path.parent.name != "tests")
+    )

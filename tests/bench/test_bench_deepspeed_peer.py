@@ -29,8 +29,10 @@ needs_deepspeed = pytest.mark.skipif(
 )
 
 
-@pytest.mark.skipif(HAS_DEEPSPEED, reason="DeepSpeed is installed: the peer builds its engine")
-def test_without_deepspeed_the_peer_says_how_to_install_it() -> None:
+def test_without_deepspeed_the_peer_says_how_to_install_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    # as if it were not installed (where it is): importing it raises ImportError
+    monkeypatch.setitem(sys.modules, "deepspeed", None)
+    monkeypatch.setitem(sys.modules, "deepspeed.pipe", None)
     strategy = build_strategy("deepspeed_pipe:stages=2,micro_batches=4,start_method=fork")
     with pytest.raises(ImportError, match=r"pip install 'lightning-parallel\[bench\]'"):
         strategy._build_engine(32)  # type: ignore[attr-defined]

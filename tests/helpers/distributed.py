@@ -7,10 +7,10 @@ that raises makes the call raise with the child's traceback; a child that does n
 ``timeout`` seconds is killed and the call raises ``TimeoutError`` with every live rank's
 Python stacks: a distributed test never hangs the suite, and a hang says where it stood.
 
-The children come from a fork server by default: a clean process that imported torch once and
-forks each child, so that no thread of the pytest process (a progress bar's monitor, a logger's
-writer, a gloo thread of an earlier test) can hold a lock at fork time that a child then waits
-on forever. The function and its arguments travel by cloudpickle, so a closure or a local
+The children come from a fork server by default: a clean process that imported torch, Lightning
+and the package once and forks each child, so that no thread of the pytest process (a progress
+bar's monitor, a logger's writer, a gloo thread of an earlier test) can hold a lock at fork time
+that a child then waits on forever. The function and its arguments travel by cloudpickle, so a closure or a local
 function works as under plain fork.
 """
 
@@ -33,6 +33,25 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+#: what the fork server imports once for every child it forks
+PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "pytorch_lightning",
+    "lightning_parallel.strategies",
+    "lightning_parallel.callbacks",
+    "helpers.distributed",
+]
+
+
+def start_fork_server() -> None:
+    """Start the fork server now (it imports :data:`PRELOAD`, seconds on a busy machine), so
+    that a test timing a run measures the run, not the server's first start."""
+    from multiprocessing import forkserver
+
+    mp.get_context("forkserver").set_forkserver_preload(PRELOAD)
+    forkserver.ensure_running()
 
 
 def free_port() -> int:
@@ -110,7 +129,9 @@ def run_distributed(
     """
     context = mp.get_context(start_method)
     if start_method == "forkserver":
-        context.set_forkserver_preload(["torch", "torch.distributed", "helpers.distributed"])
+        # Lightning and the package too: importing them costs each child ~4 s of CPU, paid
+        # once by the fork server instead (importing starts no thread)
+        context.set_forkserver_preload(PRELOAD)
     job = cloudpickle.dumps((fn, args))  # closures and local functions too
     queue = context.Queue()
     port = free_port()
