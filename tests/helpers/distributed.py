@@ -10,8 +10,8 @@ Python stacks: a distributed test never hangs the suite, and a hang says where i
 The children come from a fork server by default: a clean process that imported torch, Lightning
 and the package once and forks each child, so that no thread of the pytest process (a progress
 bar's monitor, a logger's writer, a gloo thread of an earlier test) can hold a lock at fork time
-that a child then waits on forever. The function and its arguments travel by cloudpickle, so a closure or a local
-function works as under plain fork.
+that a child then waits on forever. The function and its arguments travel by cloudpickle, so a
+closure or a local function works as under plain fork.
 """
 
 from __future__ import annotations
