@@ -173,11 +173,13 @@ def _counting(args: list[Any], kwargs: dict[str, Any], training: bool) -> Any:
     return (args if training else [args[0], 0]), kwargs
 
 
+_TRAIN_FLAG = _set_argument(2, "train", lambda _, training: training)  # the dropouts'
+
 #: ATen operations whose behaviour depends on the mode, and how to set it
 _MODE_DEPENDENT: dict[Any, Callable[..., Any]] = {
-    aten.dropout.default: _set_argument(2, "train", lambda _, training: training),
-    aten.feature_dropout.default: _set_argument(2, "train", lambda _, training: training),
-    aten.alpha_dropout.default: _set_argument(2, "train", lambda _, training: training),
+    aten.dropout.default: _TRAIN_FLAG,
+    aten.feature_dropout.default: _TRAIN_FLAG,
+    aten.alpha_dropout.default: _TRAIN_FLAG,
     aten.batch_norm.default: _set_argument(5, "training", lambda _, training: training),
     aten.scaled_dot_product_attention.default: _set_argument(
         4, "dropout_p", lambda p, training: (p or 0.0) if training else 0.0
@@ -338,11 +340,14 @@ def exported_layers(
         program's input and output specs.
     """
     wrapper = outputs_wrapper(module)
-    program = export_module(wrapper, args, kwargs)
+    try:
+        program = export_module(wrapper, args, kwargs)
+    finally:  # also after a failed export, whose forward may have run
+        output_type = _OUTPUT_TYPES.pop(id(wrapper), None)
     graph_module = program.module()
     follow_mode(graph_module, module)
     spec = program.call_spec
-    call = FlatCall(spec.in_spec, spec.out_spec, _OUTPUT_TYPES.pop(id(wrapper), None))
+    call = FlatCall(spec.in_spec, spec.out_spec, output_type)
     inputs = [n.meta.get("val") for n in graph_module.graph.nodes if n.op == "placeholder"]
     call.fixed_shapes = {
         index: tuple(size if isinstance(size, int) else None for size in value.shape)

@@ -46,8 +46,12 @@ PRELOAD = [
 
 
 def start_fork_server() -> None:
-    """Start the fork server now (it imports :data:`PRELOAD`, seconds on a busy machine), so
-    that a test timing a run measures the run, not the server's first start."""
+    """Start the fork server, if it is not running, with :data:`PRELOAD` imported.
+
+    Lightning and the package are imported there once, not again by each child (~4 s of CPU
+    each; importing them starts no thread). A test timing a run calls this first, so that it
+    measures the run, not the server's first start (seconds on a busy machine).
+    """
     from multiprocessing import forkserver
 
     mp.get_context("forkserver").set_forkserver_preload(PRELOAD)
@@ -129,9 +133,7 @@ def run_distributed(
     """
     context = mp.get_context(start_method)
     if start_method == "forkserver":
-        # Lightning and the package too: importing them costs each child ~4 s of CPU, paid
-        # once by the fork server instead (importing starts no thread)
-        context.set_forkserver_preload(PRELOAD)
+        start_fork_server()
     job = cloudpickle.dumps((fn, args))  # closures and local functions too
     queue = context.Queue()
     port = free_port()
