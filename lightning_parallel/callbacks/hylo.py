@@ -38,7 +38,12 @@ from lightning_parallel.compat.private import state_key as compat_state_key
 from lightning_parallel.compression import CostModel, HyloHook, HyloPolicy
 from lightning_parallel.compression.delta import CompressedDeltaMean
 from lightning_parallel.compression.exchange import TWO_BIT_EXCHANGES, check_piece_numel
-from lightning_parallel.compression.policy import MIN_COMPRESS_NUMEL
+from lightning_parallel.compression.policy import (
+    ERROR_BUDGET,
+    LOW_RANK_MIN_NUMEL,
+    MIN_COMPRESS_NUMEL,
+    RANK,
+)
 
 __all__: list[str] = []
 
@@ -54,10 +59,12 @@ class HyloCompression(Callback):
     1. convolution weights: send the ``k`` kernels of largest gradient norm, ``k`` a rate that
        falls with the layer's size (``conv_rate`` at 65536 parameters), chosen globally from
        allreduced per-kernel norms and allreduced densely;
-    2. fully-connected weights: 2-bit codes ``{+s, -s, 0}`` for the values above
-       ``tau = threshold_factor * mean|g|`` (``s`` their mean magnitude), ``tau`` and ``s`` per
-       block of ``block_size`` values, 16 codes per 32-bit word, averaged by a two-phase
-       compressed allreduce;
+    2. fully-connected weights: rank-``rank`` factors ``P, Q`` (one power-iteration step with
+       warm start, each factor allreduced), or 2-bit codes ``{+s, -s, 0}`` for the values
+       above ``tau = threshold_factor * mean|g|`` (``s`` their mean magnitude, per block of
+       ``block_size`` values, 16 codes per 32-bit word, a two-phase compressed allreduce):
+       the cost model keeps, per layer, the one of least measured cost within
+       ``error_budget``;
     3. parameters of fewer than ``min_compress_numel`` values: one fused dense allreduce;
     4. what is not sent is kept per parameter (error feedback) and added next step;
     5. a cost model, calibrated on the first compressed steps, sends a layer uncompressed from
@@ -98,7 +105,14 @@ class HyloCompression(Callback):
             CUDA ones (pieces lost more than they gained there: ``docs/gpu.md``).
         policy: a ready :class:`~lightning_parallel.compression.HyloPolicy`; overrides
             ``codec``, ``conv_rate``, ``fc_bits``, ``threshold_factor``, ``min_compress_numel``,
-            ``reconstruction``, ``block_size``.
+            ``reconstruction``, ``block_size``, ``rank``, ``error_budget``.
+        rank: rank of the low-rank (PowerSGD-style) candidate for fully-connected layers
+            (``None``: 2-bit codes only).
+        error_budget: the largest measured relative error ``|p - C(p)| / |p|`` of the
+            candidate codec the cost model keeps per layer (the cheapest within it wins).
+        conv_low_rank: convolutions get the low-rank candidate too, beside kernel top-k.
+        low_rank_min_numel: parameters with at least this many values have the low-rank
+            candidate.
 
     Attributes:
         hook: the :class:`~lightning_parallel.compression.HyloHook` once the fit started.
@@ -128,6 +142,10 @@ class HyloCompression(Callback):
         block_size: int | None = 512,
         piece_numel: int | Literal["auto"] | None = "auto",
         policy: HyloPolicy | None = None,
+        rank: int | None = RANK,
+        error_budget: float = ERROR_BUDGET,
+        conv_low_rank: bool = True,
+        low_rank_min_numel: int = LOW_RANK_MIN_NUMEL,
     ) -> None:
         check(self)  # this Lightning has every private name we use (compat.private)
         if exchange not in TWO_BIT_EXCHANGES:
@@ -153,6 +171,10 @@ class HyloCompression(Callback):
             min_compress_numel=min_compress_numel,
             reconstruction=reconstruction,
             block_size=block_size,
+            rank=rank,
+            error_budget=error_budget,
+            conv_low_rank=conv_low_rank,
+            low_rank_min_numel=low_rank_min_numel,
         )
         self.warmup_steps = warmup_steps
         self.exchange = exchange

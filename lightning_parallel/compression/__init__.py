@@ -2,7 +2,8 @@
 
 The pieces, from the bottom up: a :class:`Codec` (encode to a payload of tensors, decode back)
 with :class:`ErrorFeedback` residuals keyed by parameter name; Hylo's codecs
-:class:`KernelTopK` (convolutions) and :class:`TwoBitQuantizer` (fully-connected layers), the
+:class:`KernelTopK` (convolutions), :class:`TwoBitQuantizer` and :class:`LowRank`
+(fully-connected layers), the
 identity :class:`NoCompression` and the peers :class:`TopK`, :class:`QSGD`, :class:`TernGrad`,
 :class:`SignSGD`; the :class:`HyloPolicy` that assigns them by layer type and size; the
 allreduce-compatible :class:`HyloExchange`; the :class:`CostModel`; and :class:`HyloHook`, the
@@ -21,6 +22,7 @@ from lightning_parallel.compression.exchange import (
 )
 from lightning_parallel.compression.hook import HyloHook
 from lightning_parallel.compression.kernel_topk import KernelTopK
+from lightning_parallel.compression.low_rank import LowRank
 from lightning_parallel.compression.none import NoCompression
 from lightning_parallel.compression.packing import (
     pack_2bit,
@@ -50,6 +52,7 @@ __all__ = [
     "LayerGradient",
     "LayerPlan",
     "LayerReport",
+    "LowRank",
     "NoCompression",
     "SignSGD",
     "TernGrad",

@@ -92,6 +92,11 @@ class Codec(ABC):
         """Bytes of the payload for a tensor of ``shape`` (float32), without encoding one."""
         return self.encode(torch.zeros(shape)).nbytes()
 
+    def wire_nbytes(self, shape: torch.Size | tuple[int, ...]) -> int:
+        """Bytes one rank contributes to the exchange for a tensor of ``shape`` (before the
+        collective's own factor); the payload's by default."""
+        return self.payload_nbytes(shape)
+
     def state_dict(self) -> dict[str, Any]:
         """State to checkpoint (random generators of stochastic codecs); empty by default."""
         return {}

@@ -29,6 +29,13 @@ two-phase compressed allreduce (as DeepSpeed's 1-bit allreduce; here with Hylo's
     ``W``. With ``two_bit_exchange="allgather"`` the codes are allgathered instead (the simple
     fallback: ``(W-1) * n/16`` words, growing with ``W``).
 
+``low_rank`` (fully-connected, :class:`~lightning_parallel.compression.low_rank.LowRank`)
+    1. every rank computes ``P = M Q`` from ``M = g + e`` and the layer's warm-start ``Q``;
+       the ``P`` are allreduced (round 1);
+    2. every rank orthonormalizes the summed ``P`` and allreduces ``Q = M^T P / W``
+       (round 2); the gradient is ``P Q^T``, the residual ``M - P Q^T``
+       (:mod:`~lightning_parallel.compression.exchange_low_rank`).
+
 ``gather`` (peer codecs: top-k, QSGD, TernGrad, signSGD; 2-bit codes at ``W = 2``)
     every rank's payload is allgathered in one byte buffer (round 1) and every rank decodes and
     averages all of them: bytes per rank grow with ``W``, as in GRACE's allgather communicator.
@@ -54,6 +61,7 @@ layers among them, runs their rounds and keeps what lives across steps.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -63,6 +71,7 @@ from lightning_parallel.comm.accounting import ring_allreduce_bytes
 from lightning_parallel.compression.error_feedback import ErrorFeedback
 from lightning_parallel.compression.exchange_dense import DenseRoute
 from lightning_parallel.compression.exchange_gather import GatherRoute
+from lightning_parallel.compression.exchange_low_rank import LowRankRoute
 from lightning_parallel.compression.exchange_residuals import flush_residuals
 from lightning_parallel.compression.exchange_step import (
     Clock,
@@ -75,7 +84,7 @@ from lightning_parallel.compression.exchange_step import (
 )
 from lightning_parallel.compression.exchange_two_phase import TwoPhaseRoute
 from lightning_parallel.compression.exchange_two_phase import two_phase_chunk as two_phase_chunk
-from lightning_parallel.compression.policy import DENSE, GATHER, KERNEL, TWO_BIT
+from lightning_parallel.compression.policy import DENSE, GATHER, KERNEL, LOW_RANK, ROUTES, TWO_BIT
 
 __all__: list[str] = []
 
@@ -106,6 +115,15 @@ def resolve_piece_numel(setting: int | str | None, device: torch.device) -> int 
         return PIECE_NUMEL if device.type == "cpu" else None
     assert not isinstance(setting, str)
     return setting
+
+
+@dataclass
+class PendingExchange:
+    """A bucket between :meth:`HyloExchange.start` and :meth:`HyloExchange.finish`."""
+
+    step: ExchangeStep
+    routes: tuple[ExchangeRoute, ...]
+    reports: dict[str, LayerReport]
 
 
 class HyloExchange:
@@ -173,6 +191,16 @@ class HyloExchange:
         Every rank must call this with the same layers in the same order (DDP calls bucket hooks
         in bucket order on every rank), since the collectives are matched by order.
         """
+        return self.finish(self.start(layers))
+
+    def start(self, layers: list[LayerGradient]) -> PendingExchange:
+        """Rounds 1 and 2 of :meth:`average`: every collective of the step is issued when this
+        returns; :meth:`finish` waits for the last ones and writes the averages.
+
+        Between the two, the next bucket may :meth:`start` (its collectives are issued after
+        this one's on every rank, so they stay matched): its encoding then overlaps with this
+        bucket's last transfer, and the gradients are those of :meth:`average`, bit for bit.
+        """
         world = dist.get_world_size(self.group)
         rank = dist.get_rank(self.group)
         reports = {layer.plan.name: LayerReport() for layer in layers}
@@ -195,7 +223,7 @@ class HyloExchange:
             self.piece_numel,
             self.calibrating,
         )
-        by_route: dict[str, list[LayerGradient]] = {DENSE: [], KERNEL: [], TWO_BIT: [], GATHER: []}
+        by_route: dict[str, list[LayerGradient]] = {route: [] for route in ROUTES}
         for layer in layers:
             kind = layer.plan.route
             if kind == TWO_BIT and self.gathers_codes(world):
@@ -205,20 +233,26 @@ class HyloExchange:
             DenseRoute(step, by_route[DENSE], by_route[KERNEL], self.importance_dtype),
             TwoPhaseRoute(step, by_route[TWO_BIT]),
             GatherRoute(step, by_route[GATHER]),
+            LowRankRoute(step, by_route[LOW_RANK]),
         )
 
         # Round 1: kernel norms (allreduce), 2-bit chunks (all_to_all), payloads (allgather,
-        # one message after another as they are encoded).
+        # one message after another as they are encoded), low-rank P (allreduce).
         step.clock.wait([work for route in routes for work in route.send()])
         # Round 2: dense + selected kernels (allreduce), each message's chunks re-quantized
-        # and allgathered once its codes arrived; gathered messages decoded as they arrive.
+        # and allgathered once its codes arrived; gathered messages decoded as they arrive;
+        # low-rank Q (allreduce).
         for route in routes:
             route.relay()
-        # Round 3: the re-quantized chunks decoded as they arrive, then the dense allreduce.
-        for route in reversed(routes):
+        return PendingExchange(step, routes, reports)
+
+    def finish(self, pending: PendingExchange) -> dict[str, LayerReport]:
+        """Round 3 of :meth:`average`: low-rank ``P Q^T``, the re-quantized chunks decoded as
+        they arrive, then the dense allreduce; the reports of the step."""
+        for route in reversed(pending.routes):
             route.receive()
-        self.last_wait_seconds = step.clock.waited
-        return reports
+        self.last_wait_seconds = pending.step.clock.waited
+        return pending.reports
 
     def flush(self, layer: LayerGradient, world: int, rank: int) -> None:
         """Send what a layer kept while it was compressed, now that it travels dense.

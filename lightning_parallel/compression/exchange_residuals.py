@@ -12,6 +12,7 @@ dropped.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection
 
 from torch import Tensor
@@ -44,6 +45,13 @@ def _owned_values(
     start = begin + rank * server.numel()
     end = start + server.numel()
     return start, end if stop is None else min(end, stop)
+
+
+def server_residual_norm(server_memory: ErrorFeedback, name: str) -> float:
+    """The norm of this rank's second residuals of the layer ``name`` (all its chunks)."""
+    prefix = f"{name}@chunk"
+    keys = [key for key in server_memory if key.startswith(prefix)]
+    return math.sqrt(sum(server_memory.norm(key) ** 2 for key in keys))
 
 
 def fold_server_residuals(

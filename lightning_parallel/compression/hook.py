@@ -3,23 +3,20 @@
 DDP calls the hook once per gradient bucket, in bucket order on every rank, during the
 backward pass. The hook:
 
-1. hands the bucket to a background thread (on CPU), so that the exchange overlaps with the
-   rest of the backward pass, while buckets still run one at a time in bucket order;
-2. maps the bucket's flat buffer to parameters (``bucket.parameters()``, consecutive slices of
-   ``numel`` values) and from parameters to names: error-feedback state is keyed by name, so it
-   survives DDP's bucket rebuild after the first iteration;
+1. hands the bucket to a background thread (on CPU: :mod:`.background`), so that the exchange
+   overlaps with the rest of the backward pass; buckets start one at a time in bucket order,
+   and a bucket's last round waits until the next one has started (``overlap_buckets``);
+2. maps the bucket's flat buffer to parameters and from parameters to names: error-feedback
+   state is keyed by name, so it survives DDP's bucket rebuild after the first iteration;
 3. during the first ``warmup_steps`` optimizer steps averages the buffer with a plain allreduce
-   (exactly DDP);
-4. afterwards averages the bucket with :class:`~lightning_parallel.compression.HyloExchange`
-   (dense, kernel-selection, two-phase 2-bit or allgather routes), and settles the future it
-   returned with the averaged buffer, which DDP copies into ``param.grad`` once the backward
-   pass is over;
-5. on the first ``calibration_steps`` compressed steps times each layer's encode and decode
-   and the link (bytes sent over seconds waited in collectives; on CUDA the device is
-   synchronised around each timed part on these steps, so the times are the kernels' and the
-   transfers', not their launches), from which the
+   (exactly DDP); afterwards with :class:`~lightning_parallel.compression.HyloExchange`
+   (dense, kernel-selection, low-rank, two-phase 2-bit or allgather routes);
+4. on the first ``calibration_steps`` compressed steps times each layer's codec (a local trial
+   of each candidate where a layer has several: :mod:`.trials`) and the link (bytes sent over
+   seconds waited; on CUDA the device is synchronised around each timed part), from which the
    :class:`~lightning_parallel.compression.CostModel` decides, identically on every rank,
-   which layers go back to the dense allreduce (their residuals are flushed into it).
+   which candidate each layer keeps and which layers go back to the dense allreduce (their
+   residuals are flushed into it).
 
 Without the background thread (CUDA, or ``overlap=False``) the exchange runs inside the hook
 call, and a bucket whose layers are all uncompressed takes torch's asynchronous allreduce,
@@ -28,8 +25,6 @@ exactly as in DDP.
 
 import math
 import os
-import queue
-import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -40,6 +35,7 @@ from torch import Tensor, nn
 from lightning_parallel.comm.accounting import ring_allreduce_bytes
 from lightning_parallel.comm.agreement import check_same_settings, plain_attributes
 from lightning_parallel.comm.devices import to_group
+from lightning_parallel.compression.background import BackgroundThread, nothing
 from lightning_parallel.compression.cost_model import CostModel
 from lightning_parallel.compression.error_feedback import ErrorFeedback
 from lightning_parallel.compression.exchange import (
@@ -49,9 +45,15 @@ from lightning_parallel.compression.exchange import (
     check_piece_numel,
     resolve_piece_numel,
 )
-from lightning_parallel.compression.policy import DENSE, HyloPolicy, LayerPlan
+from lightning_parallel.compression.exchange_residuals import server_residual_norm
+from lightning_parallel.compression.policy import DENSE, ROUTES, HyloPolicy, LayerPlan
+from lightning_parallel.compression.trials import try_candidates
 
 __all__: list[str] = []
+
+
+#: a started bucket: what finishes it, its future, its buffer
+_Deferred = tuple[Callable[[], None], torch.futures.Future[Tensor], Tensor]
 
 
 class HyloHook:
@@ -79,6 +81,8 @@ class HyloHook:
             message per bucket; ``"auto"`` (default): 524288 for CPU gradients, ``None`` for
             CUDA ones, where pieces lost more than they gained in two measurements (see
             :class:`~lightning_parallel.compression.HyloExchange`).
+        overlap_buckets: on the background thread, finish a bucket (its last wait, decoding)
+            once the next bucket has issued its collectives: the same gradients, bit for bit.
 
     Example::
 
@@ -99,6 +103,7 @@ class HyloHook:
         seed: int = 0,
         overlap: bool | None = None,
         piece_numel: int | str | None = "auto",
+        overlap_buckets: bool = True,
     ) -> None:
         self.piece_numel = check_piece_numel(piece_numel)
         if warmup_steps < 0:
@@ -114,6 +119,10 @@ class HyloHook:
         self.names = {id(param): name for name, param in named}
         self.policy_plans: dict[str, LayerPlan] = self.policy.plan(named)
         self.plans: dict[str, LayerPlan] = dict(self.policy_plans)
+        self.candidates: dict[str, list[LayerPlan]] = {
+            name: self.policy.candidates(name, plan.shape)
+            for name, plan in self.policy_plans.items()
+        }
         self.warmup_steps = warmup_steps
         self.calibration_steps = calibration_steps
         self.cost_model = cost_model
@@ -133,7 +142,11 @@ class HyloHook:
         self.overlap = overlap
         self._seed = seed
         self._seeded = False
-        self._thread: _BackgroundThread | None = None
+        self._thread: BackgroundThread | None = None
+        self.overlap_buckets = overlap_buckets
+        self.overlapped = 0  # buckets finished after the next one had started
+        # a bucket whose last round waits for the next bucket's start (background thread)
+        self._deferred: _Deferred | None = None
         self._agreed = False  # the ranks' settings were compared (at the first exchange)
         self._disagreement: Exception | None = None
 
@@ -200,35 +213,75 @@ class HyloHook:
         params: list[Tensor],
         is_last: bool,
     ) -> None:
-        """Run one bucket on the background thread and settle ``future`` (errors included)."""
+        """Run one bucket on the background thread and settle ``future`` (errors included).
+        With ``overlap_buckets`` its last round runs once the next bucket's collectives are
+        issued (at once for the step's last bucket): the next one's encoding overlaps with it.
+        """
         try:
-            self._average(buffer, params, is_last, blocking=True).wait()
-            future.set_result(buffer)
+            finish, _ = self._begin(buffer, params, is_last, blocking=True)
         except BaseException as error:  # DDP re-raises it in the training loop
+            self._settle_deferred()
+            future.set_exception(error)  # type: ignore[arg-type]
+            return
+        if self._deferred is not None:
+            self.overlapped += 1
+        self._settle_deferred()
+        self._deferred = (finish, future, buffer)
+        if is_last or not self.overlap_buckets:
+            self._settle_deferred()
+
+    def _settle_deferred(self) -> None:
+        """Finish the deferred bucket, if any, and settle its future."""
+        if self._deferred is None:
+            return
+        (finish, future, buffer), self._deferred = self._deferred, None
+        try:
+            finish()
+            future.set_result(buffer)
+        except BaseException as error:
             future.set_exception(error)  # type: ignore[arg-type]
 
-    def _background(self) -> "_BackgroundThread":
-        # A thread does not survive fork: a process gets its own.
+    def _background(self) -> "BackgroundThread":  # a thread does not survive fork
         if self._thread is None or self._thread.pid != os.getpid():
-            self._thread = _BackgroundThread()
+            self._thread = BackgroundThread()
         return self._thread
 
     def _average(
         self, buffer: Tensor, params: list[Tensor], is_last: bool, blocking: bool
     ) -> torch.futures.Future[Tensor]:
+        finish, future = self._begin(buffer, params, is_last, blocking)
+        finish()
+        return future
+
+    def _begin(
+        self, buffer: Tensor, params: list[Tensor], is_last: bool, blocking: bool
+    ) -> tuple[Callable[[], None], torch.futures.Future[Tensor]]:
+        """Start averaging one bucket: every collective is issued when this returns. Returns
+        what finishes it (round 3 of a compressed exchange; nothing for a dense one) and the
+        future of the averaged buffer (settled once it is finished)."""
         self._agree(buffer.device)
         layers = self._layers(params, buffer)
         world = dist.get_world_size(self.process_group)
         compressed = any(layer.plan.compressed for layer in layers)
+        finish: Callable[[], None] = nothing
         if self.compressing and compressed:
             calibrating = self._calibrating()
             # the cost model needs the device's times, not the launches' (CUDA synchronises
             # then), and the link's alone (layers travel unpipelined then)
             self.exchange.calibrating = calibrating
-            reports = self.exchange.average(layers)
-            self.reports.update(reports)
             if calibrating:
-                self._observe(reports)
+                self._try_candidates(layers, world)
+            pending = self.exchange.start(layers)
+
+            def finish() -> None:
+                reports = self.exchange.finish(pending)
+                self.reports.update(reports)
+                if calibrating:
+                    self._observe(reports)
+
+            if calibrating:  # measured alone, before the cost model decides
+                finish()
+                finish = nothing
             future: torch.futures.Future[Tensor] = torch.futures.Future()
             future.set_result(buffer)
         else:
@@ -238,7 +291,7 @@ class HyloHook:
             calibrated = self.warmup_steps + self.calibration_steps
             if self.cost_model is not None and self.step == calibrated:
                 self._decide()
-        return future
+        return finish, future
 
     def _layers(self, params: list[Tensor], buffer: Tensor) -> list[LayerGradient]:
         layers = []
@@ -329,15 +382,28 @@ class HyloHook:
             and self.warmup_steps <= self.step < self.warmup_steps + self.calibration_steps
         )
 
+    def _try_candidates(self, layers: list[LayerGradient], world: int) -> None:
+        """Measure every candidate codec of the layers that have several (see
+        :func:`~lightning_parallel.compression.trials.try_candidates`)."""
+        assert self.cost_model is not None
+        for layer in layers:
+            candidates = self.candidates.get(layer.plan.name, [])
+            if len(candidates) >= 2:
+                try_candidates(layer, candidates, self.memory, self.cost_model, world)
+
     def _observe(self, reports: dict[str, LayerReport]) -> None:
-        """Feed one compressed exchange's timings to the cost model."""
+        """Feed one compressed exchange's timings to the cost model (a layer with several
+        candidates was measured by :meth:`_try_candidates` instead)."""
         assert self.cost_model is not None
         sent = 0.0
         for name, report in reports.items():
             sent += report.bytes_sent
-            if self.plans[name].compressed:
+            plan = self.plans[name]
+            if plan.compressed and len(self.candidates.get(name, [])) < 2:
                 seconds = report.encode_s + report.decode_s
-                self.cost_model.observe_codec(name, seconds, report.dense_bytes, report.bytes_sent)
+                self.cost_model.observe_codec(
+                    name, seconds, report.dense_bytes, report.bytes_sent, plan.route
+                )
         self.cost_model.observe_transfer(sent, self.exchange.last_wait_seconds)
 
     def _decide(self) -> None:
@@ -347,14 +413,21 @@ class HyloHook:
         # host values built on the CPU; on the group's device for the (once per run) exchange
         agreed = to_group(self.cost_model.measurements(names), self.process_group)
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.process_group)
-        self._apply(self.cost_model.decide(names, agreed))
+        self._apply(self.cost_model.decide(names, agreed, self.policy.error_budget))
 
     def _apply(self, decisions: dict[str, Any]) -> None:
+        """Each layer's plan from the decisions: dense, or the candidate kept."""
         self.plans = dict(self.policy_plans)
         for name, decision in decisions.items():
-            if not decision.compress and name in self.plans:
-                plan = self.plans[name]
+            plan = self.plans.get(name)
+            if plan is None:
+                continue
+            if not decision.compress:
                 self.plans[name] = LayerPlan(name, plan.shape, DENSE, self.policy.dense_codec)
+                continue
+            for candidate in self.candidates.get(name, []):
+                if candidate.route == decision.route:
+                    self.plans[name] = candidate
 
     # -- stochastic codecs ----------------------------------------------------------------
 
@@ -371,13 +444,16 @@ class HyloHook:
     # -- telemetry ------------------------------------------------------------------------
 
     def gauges(self, per_layer: bool = True) -> dict[str, float]:
-        """Latest per-layer and total costs, as ledger gauges (``CommStats`` logs them)."""
+        """Latest per-layer and total costs, as ledger gauges (``CommStats`` logs them); a
+        layer's ``route`` gauge is the index of its route in
+        :data:`~lightning_parallel.compression.policy.ROUTES`."""
         gauges: dict[str, float] = {}
         total_sent = sum(report.bytes_sent for report in self.reports.values())
         total_dense = sum(report.dense_bytes for report in self.reports.values())
         residual_squares = 0.0
         for name, report in sorted(self.reports.items()):
-            residual = math.hypot(self.memory.norm(name), self._server_norm(name))
+            server = server_residual_norm(self.server_memory, name)
+            residual = math.hypot(self.memory.norm(name), server)
             residual_squares += residual**2
             if per_layer:
                 gauges[f"hylo/{name}/bytes"] = report.bytes_sent
@@ -385,6 +461,7 @@ class HyloHook:
                 gauges[f"hylo/{name}/encode_ms"] = report.encode_s * 1e3
                 gauges[f"hylo/{name}/decode_ms"] = report.decode_s * 1e3
                 gauges[f"hylo/{name}/residual_norm"] = residual
+                gauges[f"hylo/{name}/route"] = float(ROUTES.index(self.plans[name].route))
         gauges["compression_ratio"] = total_dense / total_sent if total_sent > 0 else 1.0
         gauges["hylo/bytes"] = total_sent
         gauges["hylo/encode_ms"] = sum(r.encode_s for r in self.reports.values()) * 1e3
@@ -393,11 +470,6 @@ class HyloHook:
         gauges["hylo/hook_calls"] = float(self.calls)
         gauges["hylo/compressed_layers"] = float(sum(p.compressed for p in self.plans.values()))
         return gauges
-
-    def _server_norm(self, name: str) -> float:
-        prefix = f"{name}@chunk"
-        keys = [key for key in self.server_memory if key.startswith(prefix)]
-        return math.sqrt(sum(self.server_memory.norm(key) ** 2 for key in keys))
 
     # -- checkpointing --------------------------------------------------------------------
 
@@ -425,25 +497,3 @@ class HyloHook:
         if self.cost_model is not None and state.get("cost_model") is not None:
             self.cost_model.load_state_dict(state["cost_model"])
             self._apply(self.cost_model.decisions)
-
-
-class _BackgroundThread:
-    """One daemon thread per process that runs bucket exchanges in submission order.
-
-    All of a hook's collectives are issued from this one thread, one bucket after the other, in
-    DDP's bucket order: gloo matches collectives by issue order, so every rank stays in step.
-    """
-
-    def __init__(self) -> None:
-        self.pid = os.getpid()
-        self._jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._loop, name="hylo-exchange", daemon=True)
-        self._thread.start()
-
-    def submit(self, job: Callable[[], None]) -> None:
-        """Run ``job`` after every job submitted before it."""
-        self._jobs.put(job)
-
-    def _loop(self) -> None:
-        while True:
-            self._jobs.get()()

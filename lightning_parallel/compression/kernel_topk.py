@@ -96,6 +96,12 @@ class KernelTopK(Codec):
         kernels, size = self.kernel_layout(shape)
         return max(1, min(kernels, math.ceil(self.rate(kernels * size) * kernels)))
 
+    def wire_nbytes(self, shape: torch.Size | tuple[int, ...]) -> int:
+        """The exchange's bytes: one bfloat16 norm per kernel, then the selected kernels'
+        float32 values (no indices: every rank selects the same kernels)."""
+        kernels, size = self.kernel_layout(shape)
+        return 2 * kernels + 4 * self.kernels_to_send(shape) * size
+
     def importance(self, tensor: Tensor) -> Tensor:
         """Per-kernel gradient norm, shape ``(kernels,)``: one reshape and one norm."""
         kernels, size = self.kernel_layout(tensor.shape)

@@ -2,22 +2,37 @@
 
 Rules (the thesis: "different layer types get different compression; only layers whose
 parameter count exceeds a threshold are compressed"), for a parameter of shape ``S`` and
-``n = prod(S)`` values, with ``codec="hylo"``:
+``n = prod(S)`` values, with ``codec="hylo"``. A layer's candidates:
 
-1. ``n < min_compress_numel`` (biases, norms, small layers): uncompressed, fused with the other
-   uncompressed gradients of the bucket into one allreduce;
-2. a convolution weight (``len(S) >= 3``: ``(out, in, *kernel)``): :class:`KernelTopK` at the
-   adaptive rate (``conv_rate`` at ``reference_numel`` parameters, smaller for larger layers);
-3. a fully-connected weight (``len(S) == 2``): :class:`TwoBitQuantizer` (``fc_bits=2``), or
-   uncompressed with ``fc_bits=32``;
-4. anything else: uncompressed.
+1. a convolution weight (``len(S) >= 3``: ``(out, in, *kernel)``): :class:`KernelTopK` at the
+   adaptive rate (``conv_rate`` at ``reference_numel`` parameters, smaller for larger layers)
+   from ``min_compress_numel`` values, and :class:`LowRank` factors of rank ``rank`` (the
+   weight viewed ``out x in * kh * kw``) from ``low_rank_min_numel`` (``conv_low_rank``);
+2. a fully-connected weight (``len(S) == 2``, ``fc_bits=2``): :class:`TwoBitQuantizer` codes
+   from ``min_compress_numel`` values and :class:`LowRank` factors from
+   ``low_rank_min_numel`` (``fc_bits=32``: none);
+3. anything else (biases, norms, small layers): none.
 
-The default threshold, 65,536 values (256 KiB of float32), keeps small convolutions and a
-classifier's output layer dense. They hold little of the bytes, and their gradients matter
-most per value. On ``vgg_mini`` (digits, 2 ranks, 10 epochs), 2-bit codes on its 10-class
-output layer and kernel top-k on its 9,216- to 36,864-weight convolutions (threshold 8,192)
-cost 3 to 4 points of final accuracy against DDP on each of three seeds. They saved 0.26 MB
-of a 3.7 MB step. With 65,536 the gap was -2.3, -0.8 and +0.8 points (``docs/hylo.md``).
+A layer without candidates is uncompressed, fused with the other uncompressed gradients of the
+bucket into one allreduce. Before any measurement a layer takes its first candidate (kernel
+top-k for a convolution, the fewer bytes for a fully-connected layer). The
+:class:`~lightning_parallel.compression.CostModel` then keeps, per layer, the candidate whose
+measured cost (encode + decode seconds + bytes over the measured link) is least among those
+whose measured error ``|p - C(p)| / |p|`` is within ``error_budget``, or the dense allreduce
+where the codec costs more than it saves.
+
+Why low rank: rank-2 factors of a 4096 x 2048 gradient are 683x smaller than float32, 2-bit
+codes 15.5x; on ``vgg_mini`` (98% of its weights in two such layers) the codes cost Hylo 3.7 MB
+per step against PowerSGD's 1.1 MB, and the factors erred less (0.35-0.37 against 0.63-0.65 on
+its first gradients). Measured on ``vgg_mini``, ``vgg16`` and ``resnet18`` at 100 Mbit/s, the
+cost model kept low rank for every layer that has it as a candidate (``docs/hylo.md``).
+
+Why two thresholds: 2-bit codes on ``vgg_mini``'s 10-class output layer and kernel top-k on
+its 9,216- to 36,864-weight convolutions (threshold 8,192) cost 3 to 4 points of final accuracy
+against DDP on each of three seeds, so kernel top-k and 2-bit codes start at 65,536 values
+(``min_compress_numel``). Rank-8 factors of such convolutions did not cost accuracy, and on
+``resnet18`` (width 16) they hold most of the bytes, so low rank starts at 8,192
+(``low_rank_min_numel``).
 
 With a peer codec (``"topk"``, ``"qsgd"``, ``"terngrad"``, ``"signsgd"``) every parameter of at
 least ``min_compress_numel`` values uses that codec, whatever its layer type; ``"none"``
@@ -36,6 +51,7 @@ from torch import Tensor
 
 from lightning_parallel.compression.codec import Codec
 from lightning_parallel.compression.kernel_topk import KernelTopK
+from lightning_parallel.compression.low_rank import LowRank
 from lightning_parallel.compression.none import NoCompression
 from lightning_parallel.compression.qsgd import QSGD
 from lightning_parallel.compression.sign_sgd import SignSGD
@@ -49,7 +65,10 @@ __all__: list[str] = []
 DENSE = "dense"  # fused allreduce, uncompressed
 KERNEL = "kernel"  # globally agreed kernel selection, selected kernels allreduced densely
 TWO_BIT = "two_bit"  # 2-bit codes, two-phase compressed allreduce (or allgather)
+LOW_RANK = "low_rank"  # rank-r factors P, Q, each allreduced (PowerSGD-style)
 GATHER = "gather"  # any codec's payload allgathered, every rank decodes all (peer codecs)
+#: every route, in the order of the hook's per-layer ``route`` gauge
+ROUTES = (DENSE, KERNEL, TWO_BIT, LOW_RANK, GATHER)
 
 #: Peer codecs by name: factory from the policy's options.
 PEER_CODECS: dict[str, Callable[[Mapping[str, Any]], Codec]] = {
@@ -62,6 +81,13 @@ CODEC_NAMES = ("hylo", "none", *PEER_CODECS)
 FC_BITS = (2, 32)
 #: parameters with fewer values go uncompressed by default (see the module docstring)
 MIN_COMPRESS_NUMEL = 65536
+#: parameters with fewer values have no low-rank candidate (docs/hylo.md: on resnet18 the
+#: 9,216- to 36,864-weight convolutions hold most of the bytes)
+LOW_RANK_MIN_NUMEL = 8192
+#: rank of the low-rank candidate (docs/hylo.md: of ranks 2, 4 and 8 on vgg_mini, 8 trained best)
+RANK = 8
+#: the largest measured error ``|p - C(p)| / |p|`` a candidate codec may have (docs/hylo.md)
+ERROR_BUDGET = 0.9
 
 
 @dataclass(frozen=True)
@@ -71,7 +97,8 @@ class LayerPlan:
     Attributes:
         name: the parameter's name (the key of its error-feedback residual).
         shape: the parameter's shape.
-        route: :data:`DENSE`, :data:`KERNEL`, :data:`TWO_BIT` or :data:`GATHER`.
+        route: :data:`DENSE`, :data:`KERNEL`, :data:`TWO_BIT`, :data:`LOW_RANK` or
+            :data:`GATHER`.
         codec: the codec (:class:`NoCompression` for dense layers).
     """
 
@@ -99,10 +126,11 @@ class HyloPolicy:
             ``"terngrad"``, ``"signsgd"``) applied to every large parameter, or ``"none"``.
         conv_rate: fraction of kernels a convolution of ``reference_numel`` parameters sends
             (higher => less compression); see :class:`KernelTopK`.
-        fc_bits: 2 (2-bit quantization of fully-connected weights) or 32 (uncompressed).
+        fc_bits: 2 (fully-connected weights compressed: 2-bit codes or low-rank factors) or 32
+            (uncompressed).
         threshold_factor: 2-bit threshold in units of the mean absolute gradient.
-        min_compress_numel: parameters with fewer values are sent uncompressed (higher => fewer
-            layers compressed).
+        min_compress_numel: parameters with fewer values are not sent as kernel top-k or 2-bit
+            codes, nor by a peer codec (higher => fewer layers compressed).
         reference_numel: layer size at which a convolution's rate equals ``conv_rate``.
         rate_exponent: how fast the convolution rate falls with layer size.
         min_rate: lower bound of the convolution rate.
@@ -113,6 +141,15 @@ class HyloPolicy:
             values sent) or ``"threshold"`` (``tau`` itself); see :class:`TwoBitQuantizer`.
         block_size: values per 2-bit block, each with its own threshold and scale (a multiple
             of 16), or ``None`` for one per tensor; see :class:`TwoBitQuantizer`.
+        rank: rank of the :class:`LowRank` candidate for fully-connected layers; ``None``: no
+            low-rank candidate (2-bit codes only, as before).
+        error_budget: the largest measured relative error ``|p - C(p)| / |p|`` of a candidate
+            the cost model may choose (lower => more accurate, more bytes); when no candidate
+            is within it, the one with the least error is kept.
+        conv_low_rank: convolutions get the low-rank candidate too (their weight viewed as
+            ``out x (in * kh * kw)``), beside kernel top-k.
+        low_rank_min_numel: parameters with at least this many values have the low-rank
+            candidate (below ``min_compress_numel`` it is their only one).
 
     Example::
 
@@ -136,6 +173,10 @@ class HyloPolicy:
         qsgd_levels: int = 7,
         reconstruction: str = "mean",
         block_size: int | None = 512,
+        rank: int | None = RANK,
+        error_budget: float = ERROR_BUDGET,
+        conv_low_rank: bool = True,
+        low_rank_min_numel: int = LOW_RANK_MIN_NUMEL,
     ) -> None:
         if codec not in CODEC_NAMES:
             raise ValueError(f"codec must be one of {CODEC_NAMES}, got {codec!r}")
@@ -147,7 +188,17 @@ class HyloPolicy:
             raise ValueError(
                 f"min_compress_numel must be a positive value, got {min_compress_numel}"
             )
+        if error_budget <= 0:
+            raise ValueError(f"error_budget must be a positive value, got {error_budget}")
         self.codec_name = codec
+        self.error_budget = error_budget
+        self.conv_low_rank = conv_low_rank
+        if low_rank_min_numel < 1:
+            raise ValueError(
+                f"low_rank_min_numel must be a positive value, got {low_rank_min_numel}"
+            )
+        self.low_rank_min_numel = low_rank_min_numel
+        self.low_rank_codec = LowRank(rank) if rank is not None else None
         self.fc_bits = fc_bits
         self.min_compress_numel = min_compress_numel
         self.kernel_codec = KernelTopK(
@@ -159,18 +210,37 @@ class HyloPolicy:
         self.peer_codec = PEER_CODECS[codec](options) if codec in PEER_CODECS else None
 
     def assign(self, name: str, shape: Iterable[int]) -> LayerPlan:
-        """The plan of one parameter ``name`` of ``shape``."""
+        """The plan of one parameter ``name`` of ``shape`` before any measurement."""
+        candidates = self.candidates(name, shape)
+        if candidates:
+            return candidates[0]
+        return LayerPlan(name, tuple(int(size) for size in shape), DENSE, self.dense_codec)
+
+    def candidates(self, name: str, shape: Iterable[int]) -> list[LayerPlan]:
+        """The compressed plans a parameter may take (empty: dense): a convolution's kernel
+        top-k first, a fully-connected layer's fewest bytes first."""
         shape = tuple(int(size) for size in shape)
-        dense = LayerPlan(name, shape, DENSE, self.dense_codec)
-        if self.codec_name == "none" or math.prod(shape) < self.min_compress_numel:
-            return dense
+        numel = math.prod(shape)
+        if self.codec_name == "none" or len(shape) < 2:
+            return []
         if self.peer_codec is not None:
-            return LayerPlan(name, shape, GATHER, self.peer_codec)
+            if numel < self.min_compress_numel:
+                return []
+            return [LayerPlan(name, shape, GATHER, self.peer_codec)]
+        plans = []
+        large = numel >= self.min_compress_numel
+        if len(shape) >= 3 and large:
+            plans.append(LayerPlan(name, shape, KERNEL, self.kernel_codec))
+        if len(shape) == 2 and large and self.fc_bits == 2:
+            plans.append(LayerPlan(name, shape, TWO_BIT, self.two_bit_codec))
+        low_rank = self.low_rank_codec is not None and numel >= self.low_rank_min_numel
+        fc = len(shape) == 2 and self.fc_bits == 2
+        if low_rank and (fc or (len(shape) >= 3 and self.conv_low_rank)):
+            assert self.low_rank_codec is not None
+            plans.append(LayerPlan(name, shape, LOW_RANK, self.low_rank_codec))
         if len(shape) >= 3:
-            return LayerPlan(name, shape, KERNEL, self.kernel_codec)
-        if len(shape) == 2 and self.fc_bits == 2:
-            return LayerPlan(name, shape, TWO_BIT, self.two_bit_codec)
-        return dense
+            return plans
+        return sorted(plans, key=lambda plan: plan.codec.payload_nbytes(shape))
 
     def plan(self, named_parameters: Iterable[tuple[str, Tensor]]) -> dict[str, LayerPlan]:
         """Plans of every parameter that requires a gradient, by name."""
@@ -183,6 +253,8 @@ class HyloPolicy:
     def codecs(self) -> dict[str, Codec]:
         """Every codec this policy may use, by codec name (for checkpointing their state)."""
         codecs: list[Codec] = [self.dense_codec, self.kernel_codec, self.two_bit_codec]
+        if self.low_rank_codec is not None:
+            codecs.append(self.low_rank_codec)
         if self.peer_codec is not None:
             codecs.append(self.peer_codec)
         return {codec.name: codec for codec in codecs}

@@ -253,6 +253,12 @@ class TwoBitQuantizer(Codec):
             {"shape": tuple(tensor.shape), "dtype": tensor.dtype},
         )
 
+    def payload_nbytes(self, shape: torch.Size | tuple[int, ...]) -> int:
+        """Bytes of the packed codes and the scales, from the shape alone."""
+        numel = math.prod(shape)
+        blocks = 1 if self.block_size is None else math.ceil(numel / self.block_size)
+        return 4 * (math.ceil(numel / 16) + blocks)
+
     def encode_(self, tensor: Tensor, workspace: Tensor | None = None) -> Encoded:
         """:meth:`encode` on the residual storage: :meth:`quantize_` leaves ``p - Q(p)`` in it.
 

@@ -24,7 +24,12 @@ from typing_extensions import override
 from lightning_parallel.callbacks.hylo import HyloCompression
 from lightning_parallel.compat import register_strategy
 from lightning_parallel.compat.private import attached_trainer
-from lightning_parallel.compression.policy import MIN_COMPRESS_NUMEL
+from lightning_parallel.compression.policy import (
+    ERROR_BUDGET,
+    LOW_RANK_MIN_NUMEL,
+    MIN_COMPRESS_NUMEL,
+    RANK,
+)
 from lightning_parallel.strategies.arguments import (
     as_bool,
     as_float,
@@ -64,6 +69,12 @@ class HyloStrategy(ParallelStrategyBase):
             ``"none"``: one per tensor).
         piece_numel: values per pipelined piece of a large 2-bit layer (``"auto"``, the
             default: 524288 on CPU, none on CUDA; ``"none"``: one message per bucket).
+        rank: rank of the low-rank candidate for fully-connected layers (``"none"``: 2-bit
+            codes only).
+        error_budget: the largest measured relative error of the codec kept per layer.
+        conv_low_rank: convolutions get the low-rank candidate too.
+        low_rank_min_numel: parameters with at least this many values have the low-rank
+            candidate.
         start_method: ``"popen"``, ``"spawn"``, ``"fork"`` or ``"forkserver"`` (DDPStrategy's).
         **kwargs: passed to :class:`~pytorch_lightning.strategies.DDPStrategy`.
     """
@@ -86,6 +97,10 @@ class HyloStrategy(ParallelStrategyBase):
         reconstruction: str = "mean",
         block_size: int | None = 512,
         piece_numel: int | Literal["auto"] | None = "auto",
+        rank: int | None = RANK,
+        error_budget: float = ERROR_BUDGET,
+        conv_low_rank: bool = True,
+        low_rank_min_numel: int = LOW_RANK_MIN_NUMEL,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         **kwargs: Any,
     ) -> None:
@@ -109,6 +124,10 @@ class HyloStrategy(ParallelStrategyBase):
             reconstruction=reconstruction,
             block_size=optional_int("block_size", block_size),
             piece_numel=piece_numel,
+            rank=optional_int("rank", rank),
+            error_budget=as_float("error_budget", error_budget),
+            conv_low_rank=as_bool("conv_low_rank", conv_low_rank),
+            low_rank_min_numel=as_int("low_rank_min_numel", low_rank_min_numel),
         )
 
     @property
@@ -129,7 +148,8 @@ class HyloStrategy(ParallelStrategyBase):
 register_strategy(
     "hylo",
     HyloStrategy,
-    "DDP with Hylo layer-wise compression (conv kernel top-k, FC 2-bit, error feedback)",
+    "DDP with Hylo layer-wise compression (conv kernel top-k, FC low-rank or 2-bit, error "
+    "feedback)",
 )
 _PEERS = {
     "topk": "top-k sparsification (1%) with error feedback, allgathered",

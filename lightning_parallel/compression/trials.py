@@ -1,0 +1,59 @@
+"""Local trials of a layer's candidate codecs, for the cost model's choice between them.
+
+On the hook's calibration steps, a layer with several candidates (a fully-connected layer's
+low-rank factors and 2-bit codes, a convolution's kernel top-k and low-rank factors) has each
+tried on this rank's compensated gradient ``p = g + e``, beside the real exchange and without
+changing it: encode and decode seconds, the bytes the candidate's exchange would send, and the
+relative error ``|p - C(p)| / |p|`` of one step. The
+:class:`~lightning_parallel.compression.CostModel` keeps the cheapest within the error budget.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import torch
+
+from lightning_parallel.comm.accounting import ring_allreduce_bytes
+from lightning_parallel.compression.background import nothing
+from lightning_parallel.compression.cost_model import CostModel
+from lightning_parallel.compression.error_feedback import ErrorFeedback
+from lightning_parallel.compression.exchange_step import LayerGradient
+from lightning_parallel.compression.low_rank import LowRank
+from lightning_parallel.compression.policy import LayerPlan
+
+__all__: list[str] = []
+
+
+def try_candidates(
+    layer: LayerGradient,
+    candidates: list[LayerPlan],
+    memory: ErrorFeedback,
+    cost_model: CostModel,
+    world: int,
+) -> None:
+    """Time each of ``candidates`` on ``layer``'s ``p`` and feed the cost model."""
+    name = layer.plan.name
+    p = memory.compensate(name, layer.gradient)  # a copy: the residual is left as it is
+    norm = float(p.norm())
+    dense = ring_allreduce_bytes(p.numel() * p.element_size(), world)
+    # CUDA runs kernels after their launch returns: time the device's work
+    sync = functools.partial(torch.cuda.synchronize, p.device) if p.is_cuda else nothing
+    for candidate in candidates:
+        residual = p.clone()
+        decoded = torch.zeros_like(p)
+        codec = candidate.codec
+        shaped = residual.view(candidate.shape)
+        sync()
+        started = time.perf_counter()
+        # the low-rank trial starts from the layer's warm start, as its exchange does
+        encoded = (
+            codec.encode_(shaped, key=name) if isinstance(codec, LowRank) else codec.encode_(shaped)
+        )
+        codec.decode_add_(encoded, decoded)
+        sync()
+        seconds = time.perf_counter() - started
+        error = float(residual.norm()) / norm if norm > 0 else 0.0
+        sent = ring_allreduce_bytes(codec.wire_nbytes(candidate.shape), world)
+        cost_model.observe_codec(name, seconds, dense, sent, candidate.route, error)

@@ -1,0 +1,131 @@
+"""The low-rank codec (PowerSGD-style) and its route in Hylo's exchange."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from helpers.distributed import run_distributed
+
+from lightning_parallel.comm.accounting import ring_allreduce_bytes
+from lightning_parallel.compression import ErrorFeedback, HyloExchange, LayerGradient, LayerPlan
+from lightning_parallel.compression.low_rank import LowRank, orthonormalize
+from lightning_parallel.compression.policy import LOW_RANK, ROUTES
+
+STEPS = 3
+SHAPE = (24, 40)
+
+
+def _gradient(shape: tuple[int, ...], rank: int, step: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(shape, generator=generator)
+
+
+def test_error_feedback_keeps_what_the_factors_miss() -> None:
+    codec = LowRank(rank=2)
+    p = torch.randn(SHAPE)
+    residual = p.clone()
+    encoded = codec.encode_(residual)
+    decoded = codec.decode(encoded)
+    torch.testing.assert_close(decoded + residual, p, rtol=0, atol=1e-6)
+    assert float(residual.norm()) < float(p.norm())  # the projection removed something
+    assert encoded.nbytes() == codec.payload_nbytes(SHAPE) == 4 * (24 + 40) * 2
+
+
+def test_a_matrix_of_the_codec_rank_is_sent_exactly() -> None:
+    codec = LowRank(rank=3)
+    left, right = torch.randn(30, 3), torch.randn(3, 50)
+    matrix = left @ right
+    torch.testing.assert_close(codec.decode(codec.encode(matrix)), matrix, rtol=1e-4, atol=1e-4)
+
+
+def test_rank_is_capped_by_the_matrix_and_convolutions_are_flattened() -> None:
+    codec = LowRank(rank=8)
+    assert codec.rank_for((4, 100)) == 4
+    assert codec.factor_numel((16, 3, 3, 3)) == (16 + 27) * 8
+    encoded = codec.encode(torch.randn(16, 3, 3, 3))
+    assert codec.decode(encoded).shape == (16, 3, 3, 3)
+    with pytest.raises(ValueError, match="rank must be a positive int"):
+        LowRank(rank=0)
+
+
+def test_warm_start_factors_are_checkpointed() -> None:
+    codec = LowRank(rank=2)
+    factor = codec.warm_start("fc.weight", SHAPE, torch.zeros(1))
+    codec.keep("fc.weight", factor * 2)
+    restored = LowRank(rank=2)
+    restored.load_state_dict(codec.state_dict())
+    torch.testing.assert_close(restored.warm_start("fc.weight", SHAPE, torch.zeros(1)), factor * 2)
+    # the first step's factor depends on the name and the seed only (the same on every rank)
+    torch.testing.assert_close(
+        LowRank(rank=2).warm_start("fc.weight", SHAPE, torch.zeros(1)), factor
+    )
+
+
+def _exchange(rank: int, world: int) -> dict:
+    codec = LowRank(rank=2)
+    exchange = HyloExchange(ErrorFeedback(), ErrorFeedback())
+    plan = LayerPlan("fc.weight", SHAPE, LOW_RANK, codec)
+    averages, sent = [], []
+    for step in range(STEPS):
+        layer = LayerGradient(plan, _gradient(SHAPE, rank, step).reshape(-1))
+        reports = exchange.average([layer])
+        averages.append(layer.gradient.clone())
+        sent.append(reports["fc.weight"].bytes_sent)
+    return {"averages": averages, "sent": sent, "residual": exchange.memory.pop("fc.weight")}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_low_rank_route_equals_the_hand_computation(world: int) -> None:
+    results = run_distributed(_exchange, world)
+    codec = LowRank(rank=2)
+    q = codec.warm_start("fc.weight", SHAPE, torch.zeros(1))
+    residuals = [torch.zeros(SHAPE) for _ in range(world)]
+    for step in range(STEPS):
+        matrices = [_gradient(SHAPE, rank, step) + residuals[rank] for rank in range(world)]
+        p = orthonormalize(sum(matrix @ q for matrix in matrices))
+        q = sum(matrix.t() @ p / world for matrix in matrices)
+        estimate = p @ q.t()
+        residuals = [matrix - estimate for matrix in matrices]
+        for rank in range(world):
+            average = results[rank]["averages"][step].view(SHAPE)
+            torch.testing.assert_close(average, estimate, rtol=0, atol=1e-5)
+    for rank in range(world):
+        # every rank decodes the same average, bit for bit
+        for step in range(STEPS):
+            assert torch.equal(results[rank]["averages"][step], results[0]["averages"][step])
+        torch.testing.assert_close(
+            results[rank]["residual"].view(SHAPE), residuals[rank], atol=1e-5, rtol=0
+        )
+        expected = ring_allreduce_bytes(24 * 2 * 4, world) + ring_allreduce_bytes(40 * 2 * 4, world)
+        assert results[rank]["sent"] == [pytest.approx(expected)] * STEPS
+
+
+def test_the_route_plot_reads_the_route_gauges(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    path = Path(__file__).resolve().parents[2] / "scripts" / "plot_hylo_routes.py"
+    spec = importlib.util.spec_from_file_location("plot_hylo_routes", path)
+    assert spec is not None and spec.loader is not None
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    gauges = {
+        "hylo/fc.weight/route": float(ROUTES.index("low_rank")),
+        "hylo/fc.weight/bytes": 4096.0,
+        "hylo/conv.weight/route": float(ROUTES.index("kernel")),
+        "hylo/conv.weight/bytes": 2048.0,
+        "hylo/bytes": 4608.0,
+    }
+    result = {
+        "config": {"model": "m", "bandwidth": "100mbit"},
+        "runs": [{"spec": "hylo", "extra": {"gauges": gauges}}],
+    }
+    assert script.layer_routes(result["runs"][0]) == [
+        ("fc.weight", "low_rank", 4096.0),
+        ("conv.weight", "kernel", 2048.0),
+    ]
+    (tmp_path / "out.json").write_text(json.dumps(result))
+    script.main([str(tmp_path / "out.json"), str(tmp_path / "routes.png")])
+    assert (tmp_path / "routes.png").stat().st_size > 0
