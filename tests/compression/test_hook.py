@@ -398,3 +398,31 @@ def test_overlapped_buckets_give_the_serial_gradients_bit_for_bit() -> None:
     # the overlap really ran (buckets finished after the next one started: at least once a
     # step after DDP's bucket rebuild), and never without it
     assert overlapped[0]["overlapped"] >= 3 and serial[0]["overlapped"] == 0
+
+
+def _candidates_by_cost(rank: int, world: int) -> dict[str, Any]:
+    ddp = _ddp(_every_route_model())
+    cost = CostModel(bandwidth=1e3)  # bytes per second: every byte is dear
+    policy = _policy(rank=2, low_rank_min_numel=400)  # every compressed layer: two candidates
+    hook = HyloHook(ddp.module.named_parameters(), policy, cost_model=cost)
+    hook.register(ddp)
+    before = {name: plan.route for name, plan in hook.plans.items()}
+    for step in range(4):
+        _step(ddp, rank, step)
+    return {
+        "before": before,
+        "after": {name: plan.route for name, plan in hook.plans.items()},
+        "errors": {name: d.error for name, d in cost.decisions.items()},
+    }
+
+
+def test_the_cost_model_keeps_each_layers_cheapest_candidate() -> None:
+    results = run_distributed(_candidates_by_cost, 2)
+    assert results[0] == results[1]  # every rank decides the same
+    before, after, errors = results[0]["before"], results[0]["after"], results[0]["errors"]
+    # 3.weight (64 x 256): rank-2 factors 2,560 bytes against 4,224 of 2-bit codes; 5.weight
+    # (20 x 64): 2-bit codes 332 bytes against 672 (first candidate: the fewer bytes)
+    assert before["3.weight"] == after["3.weight"] == "low_rank"
+    assert before["5.weight"] == after["5.weight"] == "two_bit"
+    # both layers' candidates were tried on the calibration steps: a measured error each
+    assert 0 < errors["3.weight"] < 1 and 0 < errors["5.weight"] < 1
