@@ -56,14 +56,14 @@ class HyloCompression(Callback):
     Algorithm per optimizer step (after ``warmup_steps`` uncompressed steps), per layer (see
     :mod:`lightning_parallel.compression` and ``docs/hylo.md``):
 
-    1. convolution weights: send the ``k`` kernels of largest gradient norm, ``k`` a rate that
+    1. convolution weights: the ``k`` kernels of largest gradient norm, ``k`` a rate that
        falls with the layer's size (``conv_rate`` at 65536 parameters), chosen globally from
-       allreduced per-kernel norms and allreduced densely;
-    2. fully-connected weights: rank-``rank`` factors ``P, Q`` (one power-iteration step with
-       warm start, each factor allreduced), or 2-bit codes ``{+s, -s, 0}`` for the values
-       above ``tau = threshold_factor * mean|g|`` (``s`` their mean magnitude, per block of
-       ``block_size`` values, 16 codes per 32-bit word, a two-phase compressed allreduce):
-       the cost model keeps, per layer, the one of least measured cost within
+       allreduced per-kernel norms and allreduced densely; or rank-``rank`` factors ``P, Q``
+       (one power-iteration step with warm start, each factor allreduced);
+    2. fully-connected weights: the same factors, or 2-bit codes ``{+s, -s, 0}`` for the
+       values above ``tau = threshold_factor * mean|g|`` (``s`` their mean magnitude, per block
+       of ``block_size`` values, 16 codes per 32-bit word, a two-phase compressed allreduce);
+       the cost model keeps, per layer, the candidate of least measured cost within
        ``error_budget``;
     3. parameters of fewer than ``min_compress_numel`` values: one fused dense allreduce;
     4. what is not sent is kept per parameter (error feedback) and added next step;
@@ -106,8 +106,8 @@ class HyloCompression(Callback):
         policy: a ready :class:`~lightning_parallel.compression.HyloPolicy`; overrides
             ``codec``, ``conv_rate``, ``fc_bits``, ``threshold_factor``, ``min_compress_numel``,
             ``reconstruction``, ``block_size``, ``rank``, ``error_budget``.
-        rank: rank of the low-rank (PowerSGD-style) candidate for fully-connected layers
-            (``None``: 2-bit codes only).
+        rank: rank of the low-rank (PowerSGD-style) candidate (``None``: none; kernel top-k
+            and 2-bit codes only).
         error_budget: the largest measured relative error ``|p - C(p)| / |p|`` of the
             candidate codec the cost model keeps per layer (the cheapest within it wins).
         conv_low_rank: convolutions get the low-rank candidate too, beside kernel top-k.

@@ -17,11 +17,6 @@ from collections.abc import Callable
 __all__: list[str] = []
 
 
-def nothing() -> None:
-    """A job that does nothing (a bucket with no last round)."""
-    return None
-
-
 class BackgroundThread:
     """One daemon thread that runs jobs in submission order (a fresh one after ``fork``: a
     thread does not survive it, so :attr:`pid` tells whose it is)."""

@@ -134,6 +134,10 @@ class CostModel:
         seconds_per_byte = float(agreed[-1])
         seconds = {key: float(agreed[index]) for index, key in enumerate(keys)}
         errors = {key: float(agreed[len(keys) + index]) for index, key in enumerate(keys)}
+
+        def cost(key: tuple[str, str]) -> float:
+            return seconds[key] + self._bytes[key][1] * seconds_per_byte
+
         for name in names:
             candidates = [key for key in keys if key[0] == name]
             if not candidates:
@@ -141,10 +145,6 @@ class CostModel:
             within = [key for key in candidates if errors[key] <= error_budget]
             if not within:
                 within = [min(candidates, key=lambda key: errors[key])]
-
-            def cost(key: tuple[str, str]) -> float:
-                return seconds[key] + self._bytes[key][1] * seconds_per_byte
-
             best = min(within, key=cost)
             dense_bytes, compressed_bytes = self._bytes[best]
             saved = (dense_bytes - compressed_bytes) * seconds_per_byte

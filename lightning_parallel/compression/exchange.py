@@ -80,6 +80,7 @@ from lightning_parallel.compression.exchange_step import (
     LayerGradient,
     LayerReport,
     Workspaces,
+    device_sync,
     no_sync,
 )
 from lightning_parallel.compression.exchange_two_phase import TwoPhaseRoute
@@ -208,10 +209,7 @@ class HyloExchange:
             reports[layer.plan.name].dense_bytes = ring_allreduce_bytes(
                 layer.gradient.numel() * layer.gradient.element_size(), world
             )
-        sync = no_sync
-        if self.calibrating and layers and layers[0].gradient.is_cuda:
-            device = layers[0].gradient.device
-            sync = lambda: torch.cuda.synchronize(device)  # noqa: E731
+        sync = device_sync(layers[0].gradient) if self.calibrating and layers else no_sync
         step = ExchangeStep(
             self.memory,
             self.server_memory,

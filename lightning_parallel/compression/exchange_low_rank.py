@@ -39,8 +39,7 @@ class _Factors:
 
     layer: LayerGradient
     matrix: Tensor  # rows x cols view of the residual storage, holding M = g + e
-    p: Tensor  # rows x r
-    q: Tensor | None = None  # cols x r (this rank's, then the average)
+    p: Tensor  # rows x r: this rank's, then the orthonormalized sum
 
     @property
     def codec(self) -> LowRank:
@@ -111,13 +110,14 @@ class LowRankRoute(ExchangeRoute):
         if not self._factors:
             return
         clock = self.step.clock
+        qs = []
         for factors, summed in zip(self._factors, self._split("p")):
             clock.start()
             factors.p = orthonormalize(summed)
             # (P^T M)^T: the same product, 18x faster on CPU than M^T P (a transposed read)
-            factors.q = (factors.p.t() @ factors.matrix).t()
+            qs.append((factors.p.t() @ factors.matrix).t())
             clock.lap(factors.layer.plan.name, "encode")
-        self._allreduce([factors.q for factors in self._factors], divide=True)  # type: ignore[misc]
+        self._allreduce(qs, divide=True)
 
     def receive(self) -> None:
         """Round 3: gradient ``P Q^T``, residual ``M - P Q^T``, next warm start ``Q``."""

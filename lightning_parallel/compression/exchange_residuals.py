@@ -25,7 +25,7 @@ __all__: list[str] = []
 
 def server_key(name: str, rank: int, world: int, part: slice | None) -> str:
     """Key of ``rank``'s second residual: its chunk of the layer, or of the piece ``part``."""
-    key = f"{name}@chunk{rank}of{world}"
+    key = f"{_chunks_of(name)}{rank}of{world}"
     return key if part is None else f"{key}@{part.start}-{part.stop}"
 
 
@@ -47,10 +47,14 @@ def _owned_values(
     return start, end if stop is None else min(end, stop)
 
 
+def _chunks_of(name: str) -> str:
+    """The prefix of every second residual's key of the layer ``name``."""
+    return f"{name}@chunk"
+
+
 def server_residual_norm(server_memory: ErrorFeedback, name: str) -> float:
     """The norm of this rank's second residuals of the layer ``name`` (all its chunks)."""
-    prefix = f"{name}@chunk"
-    keys = [key for key in server_memory if key.startswith(prefix)]
+    keys = [key for key in server_memory if key.startswith(_chunks_of(name))]
     return math.sqrt(sum(server_memory.norm(key) ** 2 for key in keys))
 
 
@@ -68,7 +72,7 @@ def fold_server_residuals(
     runs when a layer turns dense (nothing kept) and when its pieces change (another
     ``piece_numel``, or a checkpoint of the one-piece layout).
     """
-    prefix = f"{layer.plan.name}@chunk"
+    prefix = _chunks_of(layer.plan.name)
     for key in [key for key in server_memory if key.startswith(prefix)]:
         if key in keep:
             continue

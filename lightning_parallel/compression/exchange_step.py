@@ -22,6 +22,7 @@ message ``k`` is decoded while ``k + 1`` travels).
 
 from __future__ import annotations
 
+import functools
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -62,7 +63,16 @@ class LayerReport:
 
 
 def no_sync() -> None:
+    """Nothing to wait for (CPU work is done when its call returns)."""
     return None
+
+
+def device_sync(tensor: Tensor) -> Callable[[], None]:
+    """What waits for the queued work of ``tensor``'s device before a clock reading: CUDA runs
+    kernels after their launch returns; on the CPU there is nothing to wait for."""
+    if tensor.is_cuda:
+        return functools.partial(torch.cuda.synchronize, tensor.device)
+    return no_sync
 
 
 class Clock:

@@ -35,7 +35,7 @@ from torch import Tensor, nn
 from lightning_parallel.comm.accounting import ring_allreduce_bytes
 from lightning_parallel.comm.agreement import check_same_settings, plain_attributes
 from lightning_parallel.comm.devices import to_group
-from lightning_parallel.compression.background import BackgroundThread, nothing
+from lightning_parallel.compression.background import BackgroundThread
 from lightning_parallel.compression.cost_model import CostModel
 from lightning_parallel.compression.error_feedback import ErrorFeedback
 from lightning_parallel.compression.exchange import (
@@ -46,6 +46,7 @@ from lightning_parallel.compression.exchange import (
     resolve_piece_numel,
 )
 from lightning_parallel.compression.exchange_residuals import server_residual_norm
+from lightning_parallel.compression.exchange_step import no_sync
 from lightning_parallel.compression.policy import DENSE, ROUTES, HyloPolicy, LayerPlan
 from lightning_parallel.compression.trials import try_candidates
 
@@ -263,7 +264,7 @@ class HyloHook:
         layers = self._layers(params, buffer)
         world = dist.get_world_size(self.process_group)
         compressed = any(layer.plan.compressed for layer in layers)
-        finish: Callable[[], None] = nothing
+        finish: Callable[[], None] = no_sync  # nothing to finish
         if self.compressing and compressed:
             calibrating = self._calibrating()
             # the cost model needs the device's times, not the launches' (CUDA synchronises
@@ -281,7 +282,7 @@ class HyloHook:
 
             if calibrating:  # measured alone, before the cost model decides
                 finish()
-                finish = nothing
+                finish = no_sync
             future: torch.futures.Future[Tensor] = torch.futures.Future()
             future.set_result(buffer)
         else:

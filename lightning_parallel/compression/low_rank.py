@@ -106,10 +106,6 @@ class LowRank(Codec):
         """Keep ``factor`` (the averaged ``Q``) as layer ``key``'s next warm start."""
         self._factors[key] = factor.detach().clone()
 
-    def forget(self, key: str) -> None:
-        """Drop layer ``key``'s warm start (the layer no longer travels low-rank)."""
-        self._factors.pop(key, None)
-
     # -- the single-process codec interface (peer comparisons, model deltas, trials) -------
 
     def encode(self, tensor: Tensor, key: str | None = None) -> Encoded:

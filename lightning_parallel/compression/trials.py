@@ -10,16 +10,14 @@ relative error ``|p - C(p)| / |p|`` of one step. The
 
 from __future__ import annotations
 
-import functools
 import time
 
 import torch
 
 from lightning_parallel.comm.accounting import ring_allreduce_bytes
-from lightning_parallel.compression.background import nothing
 from lightning_parallel.compression.cost_model import CostModel
 from lightning_parallel.compression.error_feedback import ErrorFeedback
-from lightning_parallel.compression.exchange_step import LayerGradient
+from lightning_parallel.compression.exchange_step import LayerGradient, device_sync
 from lightning_parallel.compression.low_rank import LowRank
 from lightning_parallel.compression.policy import LayerPlan
 
@@ -38,8 +36,7 @@ def try_candidates(
     p = memory.compensate(name, layer.gradient)  # a copy: the residual is left as it is
     norm = float(p.norm())
     dense = ring_allreduce_bytes(p.numel() * p.element_size(), world)
-    # CUDA runs kernels after their launch returns: time the device's work
-    sync = functools.partial(torch.cuda.synchronize, p.device) if p.is_cuda else nothing
+    sync = device_sync(p)  # time the device's work, not the launches
     for candidate in candidates:
         residual = p.clone()
         decoded = torch.zeros_like(p)

@@ -69,8 +69,8 @@ class HyloStrategy(ParallelStrategyBase):
             ``"none"``: one per tensor).
         piece_numel: values per pipelined piece of a large 2-bit layer (``"auto"``, the
             default: 524288 on CPU, none on CUDA; ``"none"``: one message per bucket).
-        rank: rank of the low-rank candidate for fully-connected layers (``"none"``: 2-bit
-            codes only).
+        rank: rank of the low-rank candidate (``"none"``: none; kernel top-k and 2-bit codes
+            only).
         error_budget: the largest measured relative error of the codec kept per layer.
         conv_low_rank: convolutions get the low-rank candidate too.
         low_rank_min_numel: parameters with at least this many values have the low-rank
