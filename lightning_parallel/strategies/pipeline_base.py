@@ -132,6 +132,9 @@ class PipelineStrategyBase(PipelineTraining):
     recompute: str = "never"
     #: the schedule the partitioner models (GroPipe's; ``None``: 1F1B)
     schedule: Schedule | None = None
+    #: where each (group, stage) runs (an engine whose schedule numbers ranks otherwise may
+    #: place its pipelines otherwise)
+    topology_kind: type[PipelineTopology] = PipelineTopology
 
     def __init__(
         self,
@@ -196,7 +199,7 @@ class PipelineStrategyBase(PipelineTraining):
     @property
     def _placement(self) -> PipelineTopology:
         # groups * stages is always a valid world size: usable before the processes exist
-        return PipelineTopology(self.groups * self.stages, self.stages, self.placement)
+        return self.topology_kind(self.groups * self.stages, self.stages, self.placement)
 
     @property
     @override
@@ -211,7 +214,7 @@ class PipelineStrategyBase(PipelineTraining):
     @override
     def check_world_size(self, world_size: int) -> None:
         # raised by Trainer(...), before any process starts
-        PipelineTopology(world_size, self.stages, self.placement)
+        self.topology_kind(world_size, self.stages, self.placement)
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
@@ -221,7 +224,7 @@ class PipelineStrategyBase(PipelineTraining):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        topology = PipelineTopology(self.world_size, self.stages, self.placement)
+        topology = self.topology_kind(self.world_size, self.stages, self.placement)
         if self._topology != topology:
             self._topology = topology
             self._groups = build_process_groups(topology, self.global_rank)

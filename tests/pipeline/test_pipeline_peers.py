@@ -113,3 +113,43 @@ def test_torch_peers_keep_the_second_stages_batch_norm_statistics_finite() -> No
     # one update per micro-batch (4 per step), the first step's left out, no more
     steps = int(reference.layers[3].num_batches_tracked)
     assert int(norm.num_batches_tracked) == 4 * steps - 4
+
+
+@pytest.mark.parametrize(
+    ("name", "weight_actions"),
+    [
+        ("torch_interleaved_1f1b", False),
+        ("torch_zb", True),
+        ("torch_zbv", True),
+        ("torch_dualpipev", True),
+    ],
+)
+def test_virtual_stage_peers_match_single_device(name: str, weight_actions: bool) -> None:
+    """Two virtual stages per rank (four cuts of a five-layer net), torch's schedule order,
+    zero-bubble weight-gradient actions where the schedule has them: the weights of single-
+    process training after two epochs, and the evaluation that follows sees them too."""
+    reference = CrossEntropyNet()
+    trainer("auto", 1).fit(reference, loader(shuffled=True), loader())
+    model = CrossEntropyNet()
+    strategy = build_strategy(f"{name}:stages=2,micro_batches=4,start_method=fork")
+    run = trainer(strategy, 2, callbacks=[CommStats(gauges_every_n_steps=1)])
+    run.fit(model, loader(), loader())
+    assert_same_weights(reference, model)
+    torch.testing.assert_close(
+        run.callback_metrics["val_loss"], reference.trainer.callback_metrics["val_loss"]
+    )
+    assert run.callback_metrics["comm/virtual_stages_per_rank"].item() == 2
+    assert (run.callback_metrics["comm/weight_gradient_actions"].item() > 0) == weight_actions
+
+
+@pytest.mark.parametrize("name", ["torch_zb", "torch_dualpipev"])
+def test_virtual_stage_peers_with_two_groups(name: str) -> None:
+    """Both rank orders (looped: natural, V: last stage first) with a data-parallel axis: each
+    virtual stage's gradients averaged across the two groups."""
+    reference = CrossEntropyNet()
+    trainer("auto", 1).fit(reference, loader(2 * BATCH, shuffled=True))
+    model = CrossEntropyNet()
+    trainer(build_strategy(f"{name}:stages=2,micro_batches=4,start_method=fork"), 4).fit(
+        model, loader(BATCH)
+    )
+    assert_same_weights(reference, model)

@@ -81,7 +81,7 @@ class TorchPipeliningStrategy(GroPipeStrategy):
         group = self._groups.pipeline
         module = pipeline.stages[self.stage_index]
         stage = PipelineStage(
-            _OneCut(module) if self.stage_index > 0 else module,
+            OneCut(module) if self.stage_index > 0 else module,
             self.stage_index,
             self.stages,
             self.root_device,
@@ -96,6 +96,15 @@ class TorchPipeliningStrategy(GroPipeStrategy):
         kind = ScheduleGPipe if self.schedule.name == "gpipe" else Schedule1F1B
         return kind(stage, n_microbatches=count, loss_fn=loss, scale_grads=False)
 
+    def held_modules(self, pipeline: Pipeline) -> list[torch.nn.Module]:
+        """The modules this rank runs under torch's schedule (one stage here)."""
+        return [pipeline.stages[self.stage_index]]
+
+    def holds_ends(self) -> tuple[bool, bool]:
+        """Whether this rank runs the model's first stage (is given the inputs) and its last
+        (computes the loss)."""
+        return self.stage_index == 0, self.stage_index == self.stages - 1
+
     def run_schedule(
         self,
         pipeline: Pipeline,
@@ -105,11 +114,11 @@ class TorchPipeliningStrategy(GroPipeStrategy):
         loss_fn: Callable[[int, Any], Tensor],
     ) -> StepStatistics:
         stats = StepStatistics()
-        length = _batch_length(batch)
+        length = batch_length(batch)
         chunk_of = {int(c[0]): i for i, c in enumerate(torch.arange(length).tensor_split(count))}
 
         def loss(output: Tensor, target: Tensor) -> Tensor:
-            if not getattr(self._torch_schedule, "_stage_backward_initialized", True):
+            if not _backward_initialized(self._torch_schedule):
                 # torch's first-step metadata inference: shapes only, no user code, no gradient
                 return output.float().sum() * 0.0
             # torch splits ``target`` (sample positions) like the batch: its first one tells which
@@ -125,11 +134,12 @@ class TorchPipeliningStrategy(GroPipeStrategy):
             # torch infers the shapes a later stage receives by running it on uninitialised
             # tensors in the first step; a BatchNorm's running statistics would keep the NaNs
             # of that run for good: they are put back as they were after the step
-            module = pipeline.stages[self.stage_index]
-            buffers = [(b, b.detach().clone()) for b in module.buffers()]
+            buffers = [
+                (b, b.detach().clone()) for m in self.held_modules(pipeline) for b in m.buffers()
+            ]
         else:
             self._torch_schedule._loss_fn = loss
-        first, last = self.stage_index == 0, self.stage_index == self.stages - 1
+        first, last = self.holds_ends()
         target = torch.arange(length, device=self.root_device) if last else None
         start = time.perf_counter()
         if first:
@@ -151,11 +161,15 @@ class TorchPipeliningStrategy(GroPipeStrategy):
         stats.step_seconds = time.perf_counter() - start
         return stats
 
+    def trained_parameters(self, pipeline: Pipeline) -> list[torch.nn.Parameter]:
+        """The parameters whose gradients this rank's schedule computes."""
+        return pipeline.owned_parameters
+
     def finish_gradients(self, pipeline: Pipeline) -> SyncTiming:
         """Average the stage's gradients across groups, after the pipeline (blocking)."""
         if self.groups == 1 or self._groups is None:
             return SyncTiming()
-        grads = [p.grad for p in pipeline.owned_parameters if p.grad is not None]
+        grads = [p.grad for p in self.trained_parameters(pipeline) if p.grad is not None]
         if not grads:
             return SyncTiming()
         start = time.perf_counter()
@@ -178,7 +192,17 @@ class TorchPipeliningStrategy(GroPipeStrategy):
             ledger.set_gauge("allreduce_exposed_seconds", sum(summary.exposed_seconds))
 
 
-class _OneCut(torch.nn.Module):
+def _backward_initialized(schedule: Any) -> bool:
+    """Whether torch's schedule has inferred its backward metadata (its first step has run);
+    the flag is ``_stage_backward_initialized`` on one-stage schedules, ``_stages_...`` on
+    schedules of several stages per rank."""
+    for name in ("_stage_backward_initialized", "_stages_backward_initialized"):
+        if hasattr(schedule, name):
+            return bool(getattr(schedule, name))
+    return True
+
+
+class OneCut(torch.nn.Module):
     """A stage after the first, called the way torch's ``PipelineStage`` calls it.
 
     torch passes the tensors of a cut that carries several (a skip connection, a transformer's
@@ -194,13 +218,13 @@ class _OneCut(torch.nn.Module):
         return self.stage(cut if len(cut) > 1 else cut[0])
 
 
-def _batch_length(batch: Any) -> int:
+def batch_length(batch: Any) -> int:
     if isinstance(batch, Tensor):
         return len(batch)
     if isinstance(batch, (list, tuple)):
-        return _batch_length(batch[0])
+        return batch_length(batch[0])
     if isinstance(batch, dict):
-        return _batch_length(next(iter(batch.values())))
+        return batch_length(next(iter(batch.values())))
     raise TypeError(f"cannot tell the size of a batch of type {type(batch).__name__}")
 
 
@@ -289,7 +313,7 @@ class DeepSpeedPipeStrategy(GroPipeStrategy):
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         batch = args[0]
-        length = _batch_length(batch)
+        length = batch_length(batch)
         if length % self.micro_batches:
             raise ValueError(
                 f"deepspeed_pipe needs batches divisible by micro_batches={self.micro_batches}, "
