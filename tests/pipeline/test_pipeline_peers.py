@@ -4,6 +4,7 @@ compares engines and partitions, not different mathematics."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -153,3 +154,27 @@ def test_virtual_stage_peers_with_two_groups(name: str) -> None:
         model, loader(BATCH)
     )
     assert_same_weights(reference, model)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("peer", ["torch_interleaved_1f1b", "deepspeed_pipe"])
+def test_whole_model_peers_validate_after_fit_in_the_same_processes(
+    tmp_path: Path, peer: str
+) -> None:
+    """The benchmark validates after ``fit`` in the processes that trained (launched apart):
+    the next run starts from rank 0's model, which must hold every stage's weights by then
+    (it held only its own: chance accuracy)."""
+    if peer == "deepspeed_pipe" and importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("DeepSpeed is not installed: pip install 'lightning-parallel[bench]'")
+    from lightning_parallel.bench.command import main as bench_main
+
+    out = tmp_path / "out.json"
+    code = bench_main(
+        ["-s", "torch_1f1b:stages=2", "-s", f"{peer}:stages=2", "--network", "local",
+         "--hosts", "2", "--model", "mlp", "--max-steps", "12", "--warmup-steps", "1",
+         "--json", str(out), "--timeout", "300"]
+    )  # fmt: skip
+    assert code == 0
+    one_stage, whole_model = json.loads(out.read_text())["runs"]
+    assert one_stage["ok"] and whole_model["ok"]
+    assert whole_model["val_loss"] == pytest.approx(one_stage["val_loss"], rel=1e-4)

@@ -366,10 +366,11 @@ class DeepSpeedPipeStrategy(GroPipeStrategy):
         self.consolidate()
 
     def on_train_end(self) -> None:
-        """Give every rank every stage's weights, for the fork/spawn launchers' hand-back."""
+        """Give every rank every stage's weights: the fork/spawn launchers hand rank 0's model
+        back, and the next run in the same processes (``validate`` after ``fit``) starts by
+        copying rank 0's model to every rank."""
         super().on_train_end()
-        if self.returns_model_to_parent:
-            self.consolidate()
+        self.consolidate()
 
     def _evaluation_step(self, hook: str, context: Callable[[], Any], args: tuple[Any, ...]) -> Any:
         module = self.lightning_module
