@@ -6,11 +6,16 @@ statistics used at evaluation drift from those of mini-batch training. Deferred 
 (torchgpipe's ``DeferredBatchNorm``, Kim et al., 2020) fixes the running statistics:
 
 1. forward in training: normalize the micro-batch with its own mean and variance (as any
-   micro-batched pipeline must: the other micro-batches do not exist yet) and add
-   ``Σx``, ``Σx²`` and the count to float64 accumulators (not during a recomputed forward);
-2. at the end of the step (:func:`commit_deferred_batch_norm`), optionally allreduce the
-   accumulators across data-parallel replicas, so that the mini-batch is the global one, then
-   ``μ = Σx/n``, ``σ² = (Σx² − nμ²)/(n−1)`` and one update
+   micro-batched pipeline must: the other micro-batches do not exist yet) and keep its count
+   ``n_j``, mean ``μ_j`` and unbiased variance ``v_j``, which the normalization computes anyway
+   (the kernel writes them into scratch running buffers at momentum 1; not during a recomputed
+   forward): a few values per channel, no pass over the activations of its own;
+2. at the end of the step (:func:`commit_deferred_batch_norm`) merge them in float64 around
+   their common mean (Chan et al.'s pairwise rule, summed: ``n = Σn_j``, ``μ = Σn_jμ_j/n``,
+   ``M₂ = Σ(n_j−1)v_j + n_j(μ_j−μ)²``, free of the cancellation of ``Σx² − nμ²`` in the
+   micro-batch statistics' precision) into ``n``, ``Σx = nμ`` and ``Σx² = M₂ + nμ²``; optionally
+   allreduce those across data-parallel replicas, so that the mini-batch is the global one, then
+   ``μ = Σx/n``, ``σ² = (Σx² − nμ²)/(n−1)`` (float64) and one update
    ``running ← (1−α)·running + α·stat`` with ``α = momentum`` (or ``1/num_batches_tracked``
    when ``momentum=None``), exactly what ``nn.BatchNorm`` does for one batch of ``n`` samples.
 
@@ -43,7 +48,8 @@ class DeferredBatchNorm(_BatchNorm):
 
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1) -> None:
         super().__init__(num_features, eps, momentum, affine=True, track_running_stats=True)
-        self._reset_accumulators()
+        # per micro-batch of the step: (count, mean, unbiased variance), each per channel
+        self._micro_batches: list[tuple[int, torch.Tensor, torch.Tensor]] = []
 
     @classmethod
     def from_batch_norm(cls, source: _BatchNorm) -> DeferredBatchNorm:
@@ -58,11 +64,6 @@ class DeferredBatchNorm(_BatchNorm):
         layer.train(source.training)
         return layer
 
-    def _reset_accumulators(self) -> None:
-        self._sum: torch.Tensor | None = None
-        self._sum_squares: torch.Tensor | None = None
-        self._count = 0
-
     def _check_input_dim(self, input: torch.Tensor) -> None:
         if input.dim() < 2:
             raise ValueError(f"DeferredBatchNorm expects at least 2-D input, got {input.dim()}-D")
@@ -71,37 +72,39 @@ class DeferredBatchNorm(_BatchNorm):
         self._check_input_dim(input)
         if not self.training or self.running_mean is None:
             return super().forward(input)
-        if not is_recomputing():
-            self._accumulate(input)
-        # normalize with this micro-batch's statistics; momentum 0 leaves no running update
-        return F.batch_norm(input, None, None, self.weight, self.bias, True, 0.0, self.eps)
+        if is_recomputing():  # counted at its first forward; momentum 0: no running update
+            return F.batch_norm(input, None, None, self.weight, self.bias, True, 0.0, self.eps)
+        # normalize with this micro-batch's statistics; at momentum 1 the kernel leaves them in
+        # the scratch buffers (the mean, and the unbiased variance)
+        mean, variance = torch.zeros_like(self.running_mean), torch.ones_like(self.running_mean)
+        output = F.batch_norm(input, mean, variance, self.weight, self.bias, True, 1.0, self.eps)
+        self._micro_batches.append((input.numel() // input.size(1), mean, variance))
+        return output
 
     @torch.no_grad()
-    def _accumulate(self, input: torch.Tensor) -> None:
-        dims = [0, *range(2, input.dim())]
-        values = input.detach().to(torch.float64)
-        total, squares = values.sum(dims), (values * values).sum(dims)
-        if self._sum is None or self._sum_squares is None:
-            self._sum, self._sum_squares = total, squares
-        else:
-            self._sum += total
-            self._sum_squares += squares
-        self._count += input.numel() // input.size(1)
-
     def accumulators(self) -> torch.Tensor:
         """``[count, Σx (C values), Σx² (C values)]`` of this step, as one float64 vector."""
         features = self.num_features
         device = self.running_mean.device if self.running_mean is not None else None
-        if self._sum is None or self._sum_squares is None:
+        if not self._micro_batches:
             return torch.zeros(1 + 2 * features, dtype=torch.float64, device=device)
-        count = torch.tensor([float(self._count)], dtype=torch.float64, device=self._sum.device)
-        return torch.cat([count, self._sum, self._sum_squares])
+        counts = torch.tensor(
+            [[float(count)] for count, _, _ in self._micro_batches],
+            dtype=torch.float64,
+            device=device,
+        )  # (m, 1)
+        means = torch.stack([mean for _, mean, _ in self._micro_batches]).double()  # (m, C)
+        variances = torch.stack([var for _, _, var in self._micro_batches]).double()  # (m, C)
+        total = counts.sum()
+        mean = (counts * means).sum(0) / total
+        spread = ((counts - 1) * variances + counts * (means - mean).square()).sum(0)
+        return torch.cat([total.reshape(1), total * mean, spread + total * mean.square()])
 
     @torch.no_grad()
     def commit(self, accumulators: torch.Tensor | None = None) -> None:
         """Update the running statistics from this step's (possibly reduced) accumulators."""
         values = self.accumulators() if accumulators is None else accumulators
-        self._reset_accumulators()
+        self._micro_batches.clear()
         count = float(values[0])
         if count < 2 or self.running_mean is None or self.running_var is None:
             return

@@ -17,7 +17,11 @@ flushing schedule table (:meth:`~StageRuntime.run_step`). Per step:
    (:mod:`~lightning_parallel.pipeline.weight_grad`, when the stage holds such layers) and the
    stage's gradient allreduce across groups starts (:class:`~.grad_sync.PartitionGradientSync`);
 4. :meth:`end_step`: complete pending sends and the BatchNorm commit, return the step's
-   statistics (busy and waiting time, activation memory peak, events);
+   statistics (busy and waiting time, activation memory peak, events). The bytes a micro-batch
+   holds between its forward and backward (the tensors autograd saves, parameters excluded)
+   are measured with saved-tensor hooks on the first forward (and recomputation) of each input
+   shape and reused for later micro-batches of that shape: the hooks cost a Python call per
+   saved tensor, and the bytes follow from the shapes;
 5. :meth:`finish_gradient_sync`, when the caller needs the averaged gradients.
 
 Whoever calls the loss function decides its weight: for a loss that is a mean over samples,
@@ -31,6 +35,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -143,6 +148,7 @@ class StageRuntime:
         self._stats = StepStatistics()
         self._started = 0.0
         self._live_bytes = 0
+        self._saved_bytes: dict[tuple[Any, ...], int] = {}  # by pass and input shapes
 
     @property
     def is_first(self) -> bool:
@@ -177,6 +183,15 @@ class StageRuntime:
         self._live_bytes += amount
         peak = self._live_bytes + transient
         self._stats.peak_activation_bytes = max(self._stats.peak_activation_bytes, peak)
+
+    def _meter(self, key: tuple[Any, ...]) -> SavedTensorMeter | None:
+        """A meter for a pass whose saved bytes are not known yet (``None``: known)."""
+        return SavedTensorMeter(self.parameters) if key not in self._saved_bytes else None
+
+    def _metered_bytes(self, key: tuple[Any, ...], meter: SavedTensorMeter | None) -> int:
+        if meter is not None:
+            self._saved_bytes[key] = meter.bytes
+        return self._saved_bytes[key]
 
     def begin_step(self, micro_batches: int) -> None:
         """Start a step of ``micro_batches`` micro-batches."""
@@ -228,15 +243,16 @@ class StageRuntime:
                     slot.loss = loss_fn(micro_batch, output).detach()
             slot.held_bytes = nbytes(value)
         else:
-            meter = SavedTensorMeter(self.parameters)
-            with meter.hooks():
+            key = ("F", _shapes(value))
+            meter = self._meter(key)
+            with meter.hooks() if meter is not None else nullcontext():
                 output = self._run_module(value)
                 if self.is_last:
                     assert loss_fn is not None
                     slot.loss = loss_fn(micro_batch, output)
             if not self.is_last:
                 slot.outputs = _floating(stage_output_tensors(output, self.stage)[0])
-            slot.held_bytes = meter.bytes
+            slot.held_bytes = self._metered_bytes(key, meter)
         end = time.perf_counter()
         self._stats.busy_seconds += end - start
         self._event("F", micro_batch, start, end)
@@ -259,11 +275,12 @@ class StageRuntime:
 
     def _recompute(self, micro_batch: int, slot: _Slot, loss_fn: LossFunction | None) -> int:
         assert slot.random_state is not None
-        meter = SavedTensorMeter(self.parameters)
+        key = ("R", _shapes(slot.inputs))
+        meter = self._meter(key)
         with (
             recomputing(),
             slot.random_state.replay(self.device),
-            meter.hooks(),
+            meter.hooks() if meter is not None else nullcontext(),
             torch.enable_grad(),
         ):
             output = self._run_module(slot.inputs)
@@ -272,7 +289,7 @@ class StageRuntime:
                 slot.loss = loss_fn(micro_batch, output)
             else:
                 slot.outputs = _floating(stage_output_tensors(output, self.stage)[0])
-        return meter.bytes
+        return self._metered_bytes(key, meter)
 
     def backward(self, micro_batch: int, loss_fn: LossFunction | None = None) -> None:
         """Run ``B micro_batch`` (``loss_fn`` is needed again on a recomputing last stage)."""
@@ -399,6 +416,10 @@ class StageRuntime:
             launched = timing.launched_at
             self._event("allreduce", -1, launched, launched + timing.duration)
         return timing
+
+
+def _shapes(value: Any) -> tuple[tuple[torch.Size, torch.dtype], ...]:
+    return tuple((t.shape, t.dtype) for t in tensors_of(value))
 
 
 def _floating(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:

@@ -52,8 +52,9 @@ class StageModule(nn.Module):
         self.first_layer = first_layer
 
     def forward(self, *inputs: Any) -> Any:
-        output = self.layers[0](*inputs)
-        for layer in self.layers[1:]:
+        layers = iter(self.layers)  # not a slice: that builds a ModuleList per call
+        output = next(layers)(*inputs)
+        for layer in layers:
             output = layer(output)
         return output
 

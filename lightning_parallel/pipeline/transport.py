@@ -6,12 +6,24 @@ never as a pickled object, on the device the group takes
 host memory (a CUDA tensor is copied to the host to be sent and back to ``device`` once
 received):
 
-1. forward, stage ``k`` to ``k+1``: a fixed-size int64 *header* tensor describing the payload
-   (tuple or single tensor, count, and per tensor its dtype code, whether it requires grad, its
-   rank and sizes), then each tensor; the receiver allocates from the header, so shapes may
-   change from one micro-batch to the next (a smaller last micro-batch);
+1. forward, stage ``k`` to ``k+1``: one *frame* per micro-batch, a byte tensor holding a kind
+   word and every tensor of the stage output, each at a 16-byte aligned offset. The receiver
+   allocates the frame from the *announced* description (tuple or single tensor, and per tensor
+   its dtype, whether it requires grad, its shape: the int64 header of :func:`encode_header`).
+   The description is announced only when it changes (the first micro-batch, a smaller last
+   micro-batch, evaluation after training): the sender then first sends a frame of the size
+   the receiver expects, of kind "header", holding the new description; the receiver reads
+   it, allocates the new size and receives again. In the steady state a forward is one
+   message: a receiver that must read a header before it can post the receive of the tensors
+   waits for two hand-offs between the processes in a row, where the stages' compute shares
+   the cores with the transport's threads (see docs/gropipe.md, "Per-micro-batch overhead");
 2. backward, stage ``k+1`` to ``k``: the gradient of every input that required grad, no header
    (stage ``k`` knows the shapes of what it sent).
+
+Both ends of a link keep the announced description, so they must be built together and carry
+every forward message through :meth:`StageTransport.send_activations` and
+:meth:`StageTransport.recv_activations`, in order. A frame is at least as large as a header
+frame, so that a header fits in whatever size the receiver expects.
 
 Gradients travel on a group of their own when one is given (``backward_group``): on NCCL each
 direction between two stages then has its own communicator and stream, and a send never waits
@@ -26,6 +38,7 @@ returned for the timeline.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -40,6 +53,12 @@ __all__: list[str] = []
 HEADER_LENGTH = 128
 ACTIVATION_TAG = 11
 GRADIENT_TAG = 12
+FRAME_ALIGNMENT = 16  # bytes: every tensor of a frame starts at a multiple (any dtype's size)
+DATA_FRAME, HEADER_FRAME = 0, 1  # the frame's kind word
+HEADER_FRAME_BYTES = FRAME_ALIGNMENT + 8 * HEADER_LENGTH
+
+TensorSpec = tuple[torch.dtype, bool, list[int]]
+"""What a header says of one tensor: dtype, whether it requires grad, shape."""
 
 WIRE_DTYPES: tuple[torch.dtype, ...] = (  # dtype codes on the wire (index = code)
     torch.float32,
@@ -57,8 +76,8 @@ WIRE_DTYPES: tuple[torch.dtype, ...] = (  # dtype codes on the wire (index = cod
 )
 
 
-def encode_header(tensors: Sequence[torch.Tensor], is_tuple: bool) -> torch.Tensor:
-    """The int64 header of a forward message (see the module docstring)."""
+def header_fields(tensors: Sequence[torch.Tensor], is_tuple: bool) -> list[int]:
+    """The entries of a stage output's header (see :func:`encode_header`)."""
     fields = [1 if is_tuple else 0, len(tensors)]
     for tensor in tensors:
         if tensor.dtype not in WIRE_DTYPES:
@@ -75,12 +94,19 @@ def encode_header(tensors: Sequence[torch.Tensor], is_tuple: bool) -> torch.Tens
             f"than {HEADER_LENGTH}; return fewer tensors across a stage boundary (choose other "
             "partition boundaries)"
         )
+    return fields
+
+
+def encode_header(tensors: Sequence[torch.Tensor], is_tuple: bool) -> torch.Tensor:
+    """The int64 header describing a stage output (see the module docstring): is it a tuple,
+    how many tensors, and per tensor its dtype code, whether it requires grad, rank, sizes."""
+    fields = header_fields(tensors, is_tuple)
     header = torch.zeros(HEADER_LENGTH, dtype=torch.int64)
     header[: len(fields)] = torch.tensor(fields, dtype=torch.int64)
     return header
 
 
-def decode_header(header: torch.Tensor) -> tuple[bool, list[tuple[torch.dtype, bool, list[int]]]]:
+def decode_header(header: torch.Tensor) -> tuple[bool, list[TensorSpec]]:
     """Inverse of :func:`encode_header`: (is_tuple, [(dtype, requires_grad, shape)])."""
     values = header.tolist()
     is_tuple, count = bool(values[0]), int(values[1])
@@ -91,6 +117,29 @@ def decode_header(header: torch.Tensor) -> tuple[bool, list[tuple[torch.dtype, b
         specs.append((WIRE_DTYPES[dtype], bool(requires_grad), shape))
         position += 3 + rank
     return is_tuple, specs
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // FRAME_ALIGNMENT) * FRAME_ALIGNMENT
+
+
+def frame_bytes(specs: Sequence[tuple[torch.dtype, Sequence[int]]]) -> int:
+    """Bytes of the data frame of tensors of these dtypes and shapes (at least a header
+    frame's)."""
+    payload = sum(_aligned(math.prod(shape) * dtype.itemsize) for dtype, shape in specs)
+    return max(FRAME_ALIGNMENT + payload, HEADER_FRAME_BYTES)
+
+
+def _slots(
+    frame: torch.Tensor, specs: Sequence[tuple[torch.dtype, Sequence[int]]]
+) -> list[torch.Tensor]:
+    """Views of ``frame`` (a byte tensor) as the tensors of ``specs``, in order."""
+    views, offset = [], FRAME_ALIGNMENT
+    for dtype, shape in specs:
+        size = math.prod(shape) * dtype.itemsize
+        views.append(frame[offset : offset + size].view(dtype).view(tuple(shape)))
+        offset += _aligned(size)
+    return views
 
 
 def stage_output_tensors(output: Any, stage: int) -> tuple[list[torch.Tensor], bool]:
@@ -142,6 +191,12 @@ class StageTransport:
         self._bookkeeping = bookkeeping_group
         self.pending: list[tuple[Any, torch.Tensor]] = []
         self.bytes_sent = 0
+        # the description the receiver holds, and the frame size it expects: as sender ...
+        self._announced: list[int] | None = None
+        self._send_frame_bytes = HEADER_FRAME_BYTES
+        # ... and as receiver
+        self._expected: tuple[bool, list[TensorSpec]] | None = None
+        self._recv_frame_bytes = HEADER_FRAME_BYTES
 
     @property
     def bookkeeping(self) -> dist.ProcessGroup | None:
@@ -172,25 +227,57 @@ class StageTransport:
         dist.recv(buffer, src=source, group=group, tag=tag)
         return buffer
 
+    def _frame(self, nbytes: int, kind: int) -> torch.Tensor:
+        frame = empty_for(self.group, (nbytes,), torch.uint8)
+        frame[:8].view(torch.int64).fill_(kind)
+        return frame
+
     def send_activations(self, output: Any) -> None:
-        """Send a stage output (tensor or tuple of tensors) to the next stage."""
+        """Send a stage output (tensor or tuple of tensors) to the next stage: one frame, after
+        a header frame when its description differs from the last one announced."""
         tensors, is_tuple = stage_output_tensors(output, self.stage)
-        header = encode_header(tensors, is_tuple)
-        self._isend(header, self.next_rank, ACTIVATION_TAG, self.group)
-        for tensor in tensors:
-            self._isend(tensor, self.next_rank, ACTIVATION_TAG, self.group)
+        fields = header_fields(tensors, is_tuple)
+        specs = [(t.dtype, t.shape) for t in tensors]
+        if fields != self._announced:
+            frame = self._frame(self._send_frame_bytes, HEADER_FRAME)
+            header = frame[FRAME_ALIGNMENT:HEADER_FRAME_BYTES].view(torch.int64)
+            header.copy_(encode_header(tensors, is_tuple))
+            self._isend(frame, self.next_rank, ACTIVATION_TAG, self.group)
+            self._announced = fields
+            self._send_frame_bytes = frame_bytes(specs)
+        frame = self._frame(self._send_frame_bytes, DATA_FRAME)
+        for slot, tensor in zip(_slots(frame, specs), tensors):
+            slot.copy_(tensor.detach())
+        self._isend(frame, self.next_rank, ACTIVATION_TAG, self.group)
 
     def recv_activations(self) -> tuple[Any, float]:
         """Receive the previous stage's output, as sent; floating tensors become leaves that
         require grad where the sender's did. Returns (value, seconds spent waiting)."""
         start = time.perf_counter()
         source, group = self.previous_rank, self.group
-        header = self._recv((HEADER_LENGTH,), torch.int64, source, ACTIVATION_TAG, group)
-        is_tuple, specs = decode_header(header.cpu())
-        tensors = []
-        for dtype, requires_grad, shape in specs:
-            received = self._recv(shape, dtype, source, ACTIVATION_TAG, group)
-            tensors.append(received.to(self.device).requires_grad_(requires_grad))
+        while True:
+            frame = self._recv(
+                (self._recv_frame_bytes,), torch.uint8, source, ACTIVATION_TAG, group
+            )
+            if int(frame[:8].view(torch.int64)[0]) == DATA_FRAME:
+                break
+            self._expected = decode_header(
+                frame[FRAME_ALIGNMENT:HEADER_FRAME_BYTES].view(torch.int64).cpu()
+            )
+            self._recv_frame_bytes = frame_bytes(
+                [(dtype, shape) for dtype, _, shape in self._expected[1]]
+            )
+        if self._expected is None:
+            raise RuntimeError(
+                f"stage {self.stage} received activations before their description: both ends "
+                "of a link must be built together and send every forward through this transport"
+            )
+        is_tuple, specs = self._expected
+        views = _slots(frame, [(dtype, shape) for dtype, _, shape in specs])
+        tensors = [
+            view.to(self.device).detach().requires_grad_(requires_grad)
+            for view, (_, requires_grad, _) in zip(views, specs)
+        ]
         waited = time.perf_counter() - start
         return (tuple(tensors) if is_tuple else tensors[0]), waited
 

@@ -322,7 +322,8 @@ class GroPipeStrategy(PipelineStrategyBase):
     # -- telemetry ---------------------------------------------------------------------------
 
     def record(self, summary: SummaryResult, stats: StepStatistics, count: int) -> None:
-        """Put the step's bubble, stage times and allreduce figures in the ledger's gauges."""
+        """Put the step's bubble, stage times, step bound and allreduce figures in the ledger's
+        gauges."""
         self.last_summary = summary
         self.timeline.append(list(stats.events))
         ledger = process_ledger()
@@ -337,6 +338,13 @@ class GroPipeStrategy(PipelineStrategyBase):
         # the partitioner's formula on the measured stage times: tells the schedule's own
         # behaviour apart from a profile taken in other conditions (load, frequency)
         ledger.set_gauge("bubble_fraction_model", projected_step(measured, count)[1])
+        # what a flushing schedule cannot beat: m + p − 1 slots of the slowest stage's measured
+        # micro-batch, plus the gradient allreduce left exposed (the stages wait in parallel)
+        exposed = max(summary.exposed_seconds, default=0.0)
+        bound = (count + self.stages - 1) * max(measured, default=0.0) + exposed
+        ledger.set_gauge("pipeline_step_bound_seconds", bound)
+        if bound > 0:
+            ledger.set_gauge("pipeline_step_over_bound", max(summary.step_seconds) / bound)
         for stage, busy in enumerate(summary.busy_seconds):
             ledger.set_gauge(f"stage{stage}_seconds_measured", busy / count)
             if plan is not None:
