@@ -31,6 +31,7 @@ every ``train_batch``.
 from __future__ import annotations
 
 import time
+from abc import abstractmethod
 from collections.abc import Callable
 from typing import Any
 
@@ -228,7 +229,29 @@ def batch_length(batch: Any) -> int:
     raise TypeError(f"cannot tell the size of a batch of type {type(batch).__name__}")
 
 
-class DeepSpeedPipeStrategy(GroPipeStrategy):
+class WholeModelPeer(GroPipeStrategy):
+    """A peer that keeps the whole model on every rank while each rank trains its own stages:
+    :meth:`consolidate` copies every stage's weights from the rank that trains it, before
+    evaluation and at the end of ``fit``."""
+
+    owns_stages = False
+
+    @abstractmethod
+    def consolidate(self) -> None:
+        """Copy every stage's weights from the rank that trains it to every rank."""
+
+    def on_validation_start(self) -> None:
+        self.consolidate()
+
+    def on_train_end(self) -> None:
+        """Give every rank every stage's weights: the fork/spawn launchers hand rank 0's model
+        back, and the next run in the same processes (``validate`` after ``fit``) starts by
+        copying rank 0's model to every rank."""
+        super().on_train_end()
+        self.consolidate()
+
+
+class DeepSpeedPipeStrategy(WholeModelPeer):
     """DeepSpeed's PipelineEngine inside Lightning's loop (see the module docstring).
 
     Args:
@@ -237,8 +260,6 @@ class DeepSpeedPipeStrategy(GroPipeStrategy):
         partition_method: DeepSpeed's ``partition_method`` (default ``"parameters"``).
         **kwargs: passed to :class:`GroPipeStrategy` (``start_method``, ...).
     """
-
-    owns_stages = False  # DeepSpeed's engine takes the whole layer list and keeps its part
 
     def __init__(
         self,
@@ -361,16 +382,6 @@ class DeepSpeedPipeStrategy(GroPipeStrategy):
         ]
         owners = [self._engine.grid.stage_to_global(stage_id=k, data=0) for k in range(self.stages)]
         broadcast_stage_state(stages, owners, int(self._engine.stage_id))
-
-    def on_validation_start(self) -> None:
-        self.consolidate()
-
-    def on_train_end(self) -> None:
-        """Give every rank every stage's weights: the fork/spawn launchers hand rank 0's model
-        back, and the next run in the same processes (``validate`` after ``fit``) starts by
-        copying rank 0's model to every rank."""
-        super().on_train_end()
-        self.consolidate()
 
     def _evaluation_step(self, hook: str, context: Callable[[], Any], args: tuple[Any, ...]) -> Any:
         module = self.lightning_module

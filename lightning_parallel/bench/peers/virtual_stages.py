@@ -40,7 +40,11 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from lightning_parallel.bench.peers.pipeline_peers import OneCut, TorchPipeliningStrategy
+from lightning_parallel.bench.peers.pipeline_peers import (
+    OneCut,
+    TorchPipeliningStrategy,
+    WholeModelPeer,
+)
 from lightning_parallel.bench.specs import register_baseline
 from lightning_parallel.comm.ledger import process_ledger
 from lightning_parallel.pipeline.assembly import Pipeline
@@ -73,11 +77,6 @@ class LoopedTopology(PipelineTopology):
             return stage * self.groups + group
         return group * self.stages + stage
 
-    def group_of(self, rank: int) -> int:
-        if self.placement == "stage":
-            return rank % self.groups
-        return rank // self.stages
-
     def stage_of(self, rank: int) -> int:
         if self.placement == "stage":
             return rank // self.groups
@@ -92,7 +91,7 @@ def virtual_stages_of(role: int, stages: int, virtual: int, v_shaped: bool) -> l
     return [role + i * stages for i in range(virtual)]
 
 
-class TorchVirtualStagesStrategy(TorchPipeliningStrategy):
+class TorchVirtualStagesStrategy(WholeModelPeer, TorchPipeliningStrategy):
     """torch's schedules with several stages per rank (see the module docstring).
 
     Args:
@@ -102,8 +101,6 @@ class TorchVirtualStagesStrategy(TorchPipeliningStrategy):
         virtual_stages: stages per rank, ``v`` (2 for the V-shaped schedules).
         **kwargs: passed to :class:`TorchPipeliningStrategy`.
     """
-
-    owns_stages = False  # the virtual stages are cut apart from the p-stage split
 
     def __init__(
         self,
@@ -219,16 +216,6 @@ class TorchVirtualStagesStrategy(TorchPipeliningStrategy):
             return
         owners = [self._owner(k) for k in range(len(self._chunks))]
         broadcast_stage_state([stage_tensors(c) for c in self._chunks], owners, own_stage=-1)
-
-    def on_validation_start(self) -> None:
-        self.consolidate()
-
-    def on_train_end(self) -> None:
-        """Give every rank every stage's weights: the fork/spawn launchers hand rank 0's model
-        back, and the next run in the same processes (``validate`` after ``fit``) starts by
-        copying rank 0's model to every rank."""
-        super().on_train_end()
-        self.consolidate()
 
 
 class FreshOutput(nn.Module):
