@@ -81,6 +81,11 @@ class DeferredBatchNorm(_BatchNorm):
         self._micro_batches.append((input.numel() // input.size(1), mean, variance))
         return output
 
+    def discard(self) -> None:
+        """Forget the statistics of forwards run so far (ones outside a training step: the
+        partitioner's profiling or estimation)."""
+        self._micro_batches.clear()
+
     @torch.no_grad()
     def accumulators(self) -> torch.Tensor:
         """``[count, Σx (C values), Σx² (C values)]`` of this step, as one float64 vector."""

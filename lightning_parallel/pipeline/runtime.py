@@ -138,7 +138,7 @@ class StageRuntime:
         self.rank = rank
         self.record_events = record_events
         self.parameters = [p for p in module.parameters() if p.requires_grad]
-        self.has_batch_norm = bool(deferred_layers(module))
+        self.batch_norms = deferred_layers(module)
         self.deferred_linears = deferred_linears(module)
         self.clock = Clock()
         self.micro_batches = 0
@@ -200,6 +200,8 @@ class StageRuntime:
         self.micro_batches = micro_batches
         self._forwards = self._backwards = 0
         discard_weight_gradients(self.deferred_linears)
+        for layer in self.batch_norms:  # a step's statistics are its own micro-batches'
+            layer.discard()
         self._stats = StepStatistics()
         self._started = time.perf_counter()
 
@@ -265,7 +267,7 @@ class StageRuntime:
             assert self.transport is not None
             self.transport.send_activations(_mark_floating(output))
         self._forwards += 1
-        if self._forwards == self.micro_batches and self.has_batch_norm and self.module.training:
+        if self._forwards == self.micro_batches and self.batch_norms and self.module.training:
             self._commit = BatchNormCommit(
                 self.module, self.batch_norm_group, self.reduce_batch_norm
             )

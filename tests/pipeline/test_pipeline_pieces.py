@@ -280,3 +280,25 @@ def test_deferred_weight_gradients_take_an_autocast_forwards_dtypes() -> None:
     assert inputs[1].grad is not None and inputs[1].grad.dtype == torch.float32
     torch.testing.assert_close(inputs[1].grad, inputs[0].grad)
     torch.testing.assert_close(deferred[0].weight.grad, plain[0].weight.grad)
+
+
+def test_a_step_forgets_batch_norm_statistics_of_forwards_before_it() -> None:
+    """The partitioner runs a stage's layers before the first step (profiling on real tensors,
+    estimation on meta ones): the step's running statistics are its own micro-batches' alone
+    (the stray ones were merged in; a meta one made the first step fail)."""
+    from lightning_parallel.pipeline.runtime import StageRuntime
+    from lightning_parallel.pipeline.schedule import get_schedule
+
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6))
+    stray = copy.deepcopy(reference)
+    for model in (reference, stray):
+        convert_deferred_batch_norm(model)
+    stray(torch.randn(8, 4) * 100 + 50)  # a training-mode forward outside any step
+    inputs = [(part,) for part in torch.randn(16, 4).chunk(2)]
+    for model in (reference, stray):
+        StageRuntime(model, 0, 1).run_step(
+            get_schedule("gpipe").table(1, 2)[0], 2, inputs, lambda j, out: out.square().mean()
+        )
+    torch.testing.assert_close(stray[1].running_mean, reference[1].running_mean)
+    torch.testing.assert_close(stray[1].running_var, reference[1].running_var)
