@@ -132,8 +132,7 @@ class PipelineStrategyBase(PipelineTraining):
     recompute: str = "never"
     #: the schedule the partitioner models (GroPipe's; ``None``: 1F1B)
     schedule: Schedule | None = None
-    #: where each (group, stage) runs (an engine whose schedule numbers ranks otherwise may
-    #: place its pipelines otherwise)
+    #: where each (group, stage) runs (an engine may number its ranks otherwise)
     topology_kind: type[PipelineTopology] = PipelineTopology
 
     def __init__(

@@ -164,8 +164,6 @@ def test_whole_model_peers_validate_after_fit_in_the_same_processes(
     """The benchmark validates after ``fit`` in the processes that trained (launched apart):
     the next run starts from rank 0's model, which must hold every stage's weights by then
     (it held only its own: chance accuracy)."""
-    if peer == "deepspeed_pipe" and importlib.util.find_spec("deepspeed") is None:
-        pytest.skip("DeepSpeed is not installed: pip install 'lightning-parallel[bench]'")
     from lightning_parallel.bench.command import main as bench_main
 
     out = tmp_path / "out.json"
