@@ -73,6 +73,11 @@ class TorchPipeliningStrategy(GroPipeStrategy):
         self._torch_count = 0
         self._peer_name = f"torch_{schedule}"
 
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        if self.world_size > 1:
+            check_peer_transport(self._peer_name, self.root_device, dist.get_backend())
+
     def _build_schedule(
         self, pipeline: Pipeline, count: int, loss: Callable[[Tensor, Tensor], Tensor]
     ) -> Any:
@@ -191,6 +196,20 @@ class TorchPipeliningStrategy(GroPipeStrategy):
         if self.groups > 1:
             ledger.set_gauge("allreduce_seconds", sum(summary.sync_seconds))
             ledger.set_gauge("allreduce_exposed_seconds", sum(summary.exposed_seconds))
+
+
+def check_peer_transport(name: str, device: torch.device, backend: str) -> None:
+    """Refuse a CUDA device over gloo: ``torch.distributed.pipelining`` hands the CUDA stage
+    tensors straight to the process group's ``send``/``recv``, which gloo's TCP transport cannot
+    read (on an H100 with torch 2.11, every torch peer aborted in its first step with ``writev:
+    Bad address``). GroPipe and SpecTrain stage CUDA tensors through host memory for gloo."""
+    if device.type == "cuda" and backend == "gloo":
+        raise ValueError(
+            f"{name} runs torch.distributed.pipelining, which sends CUDA tensors through the "
+            "process group as they are, and gloo cannot send CUDA tensors: give each rank a GPU "
+            "of its own with process_group_backend='nccl' (the bench does so when there are as "
+            "many GPUs as ranks), or run it on the CPU"
+        )
 
 
 def _backward_initialized(schedule: Any) -> bool:
