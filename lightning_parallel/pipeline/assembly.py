@@ -10,7 +10,9 @@ What a pipeline strategy does once the first batch shows the model's input, with
    (``"estimate"``, or a model built on ``meta``: the same on every rank and run), or timed on
    every rank at once (``"auto"``: the timings see what training will see, the other ranks
    computing beside it) and averaged over ranks, with the measured cost of a byte on the link
-   between stages, so that every rank partitions the same way;
+   between stages, so that every rank partitions the same way; for ``"auto"`` the plan and
+   the even split are then timed as whole stages (:mod:`~lightning_parallel.pipeline.trial`)
+   and the faster kept;
 3. :func:`assemble`: the rank *takes ownership* of its stage
    (:mod:`~lightning_parallel.pipeline.ownership`: the other stages' tensors go to ``meta``, a
    stage built on ``meta`` is materialized and broadcast to its data-parallel replicas), and
@@ -42,7 +44,12 @@ from lightning_parallel.pipeline.ownership import (
     stage_tensors_owned,
     take_ownership,
 )
-from lightning_parallel.pipeline.partition import PartitionError, PartitionPlan, partition
+from lightning_parallel.pipeline.partition import (
+    PartitionError,
+    PartitionPlan,
+    partition,
+    plan_for,
+)
 from lightning_parallel.pipeline.profile import (
     ModelProfile,
     estimate_layers,
@@ -62,6 +69,7 @@ from lightning_parallel.pipeline.summary import StepSummary
 from lightning_parallel.pipeline.tied import TiedWeights, tied_stages
 from lightning_parallel.pipeline.topology import PLACEMENTS, PipelineTopology, ProcessGroups
 from lightning_parallel.pipeline.transport import StageTransport
+from lightning_parallel.pipeline.trial import choose_by_trial, trial_stage_seconds
 
 __all__: list[str] = []
 
@@ -256,8 +264,9 @@ def choose_boundaries(
         pipelines = [topology.pipeline_ranks(g) for g in range(topology.groups)]
         link = measure_link_seconds_per_byte(pipelines, rank, device())
         process_ledger().set_gauge("link_seconds_per_megabyte", link * 2**20)
+    profile = mean_profile(profiles)
     plan = partition(
-        mean_profile(profiles),
+        profile,
         stages,
         micro_batches,
         schedule=schedule,
@@ -265,6 +274,24 @@ def choose_boundaries(
         memory_limit_bytes=memory_limit_bytes,
         link_seconds_per_byte=link,
     )
+    if not deferred and len(profiles) > 1 and topology is not None:
+        # the projection settled by timing whole stages (pipeline.trial)
+        even = plan_for(profile, even_boundaries(len(layers), stages), micro_batches, schedule,
+                        recompute, link_seconds_per_byte=link)  # fmt: skip
+        candidates = [list(plan.boundaries)]
+        fits = memory_limit_bytes is None or max(even.stage_memory_bytes) <= memory_limit_bytes
+        if fits and list(even.boundaries) not in candidates:
+            candidates.append(list(even.boundaries))
+        if len(candidates) > 1:
+            measured = trial_stage_seconds(
+                candidates, layers, example, stage=topology.stage_of(rank), stages=stages,
+                repeats=profile_repeats,
+            )  # fmt: skip
+            outputs = [cost.output_bytes for cost in profile.layers]
+            chosen = choose_by_trial(candidates, measured, outputs, micro_batches, link)
+            process_ledger().set_gauge("partition_trial_chose_even", float(chosen == 1))
+            if chosen:
+                plan = even
     return list(plan.boundaries), plan
 
 

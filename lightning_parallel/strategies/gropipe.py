@@ -77,7 +77,8 @@ class GroPipeStrategy(PipelineStrategyBase):
             ``(p−1)/(m+p−1)``, smaller and less efficient micro-batches).
         schedule: ``"1f1b"`` (activations of at most ``p−k`` micro-batches on stage ``k``) or
             ``"gpipe"`` (fill-drain, all ``m``).
-        partition: ``"auto"`` (profile every layer and split by exact dynamic programming; a
+        partition: ``"auto"`` (profile every layer and split by exact dynamic programming,
+            then time the plan and the even split as whole stages and keep the faster; a
             model built on ``meta`` in ``configure_model`` is estimated from its shapes),
             ``"estimate"`` (every model estimated from its shapes: FLOPs and bytes, the same
             partition on every run), ``"even"`` (same number of layers per stage), or the list

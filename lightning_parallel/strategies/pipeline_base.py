@@ -106,10 +106,10 @@ class PipelineStrategyBase(PipelineTraining):
         stages: pipeline stages per group, ``p``; the world size must be a multiple of it.
         micro_batches: micro-batches per batch, ``m``.
         partition: ``"auto"`` (profile every layer, or estimate it from shapes for a model built
-            on ``meta``, and split by exact dynamic programming), ``"estimate"`` (estimate every
-            layer from shapes, FLOPs and bytes, and split alike: the same partition on every
-            run, where timings move it by noise), ``"even"`` (same number of layers per stage),
-            or the list of ``p−1`` boundaries.
+            on ``meta``, split by dynamic programming, timed plans checked against the even
+            split as whole stages), ``"estimate"`` (from shapes, FLOPs and bytes alone: the
+            same partition on every run), ``"even"`` (same number of layers per stage), or the
+            list of ``p−1`` boundaries.
         memory_limit_bytes: most memory a stage may use, for ``partition="auto"`` and
             ``"estimate"``.
         profile_repeats: timed runs per layer for ``partition="auto"``.

@@ -189,12 +189,12 @@ def test_timing_noise_between_equal_blocks_does_not_move_the_boundary() -> None:
 def test_a_slow_link_moves_the_cut_to_where_fewer_bytes_cross() -> None:
     """Equal compute everywhere, but the first layers' outputs are large: compute alone cuts
     in the middle, a slow link moves the cut to the small activations (and so the plan's
-    stage times add the bytes each stage sends)."""
+    stage times add the bytes at each stage's cuts, both ways)."""
     sizes = [8_000_000, 8_000_000, 8_000_000, 1_000, 1_000, 1_000]
     layers = tuple(LayerCost(0.01, 0.02, 0, size, 100) for size in sizes)
     profile = ModelProfile(layers, input_bytes=1_000)
     assert partition(profile, 2, 8).boundaries == (3,)
     linked = partition(profile, 2, 8, link_seconds_per_byte=1e-8)
     assert linked.boundaries == (4,)
-    assert linked.stage_seconds[0] == pytest.approx(4 * 0.03 + 1e-8 * 1_000)
-    assert linked.stage_seconds[1] == pytest.approx(2 * 0.03 + 1e-8 * 1_000)
+    assert linked.stage_seconds[0] == pytest.approx(4 * 0.03 + 2e-8 * 1_000)
+    assert linked.stage_seconds[1] == pytest.approx(2 * 0.03 + 2e-8 * 1_000)

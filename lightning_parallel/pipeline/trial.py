@@ -1,0 +1,188 @@
+"""Settle the automatic partition by trial: time each candidate's stages as whole stages.
+
+The partition's dynamic programme (:mod:`~lightning_parallel.pipeline.partition`) adds up
+per-layer timings. Each of those is a small measurement (a ResNet-50 has 186 layers, most under
+a millisecond on one core) taken while the other ranks profile beside it, and the sums carry the
+noise of all of them: in one bench run the profile put ResNet-50's first stage at 32.7 ms a
+micro-batch where the pipeline then measured 23.0. A cut chosen on such a projection can lose to
+the plain even split. The trial measures what the projection only predicts:
+
+1. the candidates are the partition's plan and the even split (and any split the caller adds),
+   without repeats;
+2. for each candidate, all ranks start together (a barrier); each rank runs the layers before
+   its own stage once without gradients to get that stage's real input, then times
+   forward + backward of its whole stage chained, ``repeats`` times, and keeps the fastest;
+3. the times are gathered (``all_gather_object``) and averaged per stage over the groups; a
+   candidate's cost is the schedule's projected step
+   (:func:`~lightning_parallel.pipeline.partition.projected_step`) of its measured stage times
+   plus the link charge of its cuts (twice the cut bytes times the measured seconds per byte);
+4. the candidate with the least cost wins (the partition's plan on a tie).
+
+The forwards run as recomputations (:func:`~lightning_parallel.pipeline.recompute.recomputing`:
+no deferred BatchNorm statistics are kept), buffers and gradients are put back afterwards, and
+the random-number state is restored, so training starts as it would without the trial.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_parallel.pipeline.partition import projected_step
+from lightning_parallel.pipeline.recompute import recomputing
+from lightning_parallel.pipeline.stage_entry import stage_inputs
+
+__all__: list[str] = []
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for item in value for t in _tensors(item)]
+    return []
+
+
+def _leaf(value: Any) -> Any:
+    """``value`` detached, floating tensors requiring gradients (a stage's received input)."""
+    if isinstance(value, torch.Tensor):
+        leaf = value.detach()
+        return leaf.requires_grad_(leaf.is_floating_point())
+    if isinstance(value, (tuple, list)):
+        return type(value)(_leaf(item) for item in value)
+    return value
+
+
+def _run(layers: Sequence[nn.Module], start: int, end: int, inputs: Any) -> Any:
+    value = inputs
+    for index in range(start, end):
+        layer = layers[index]
+        value = layer(*value) if index == 0 else layer(stage_inputs(value))
+    return value
+
+
+def _now() -> float:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+def stage_seconds(
+    layers: Sequence[nn.Module], example: tuple[Any, ...], start: int, end: int, repeats: int
+) -> float:
+    """Fastest of ``repeats`` chained forward + backward passes of ``layers[start:end]`` on the
+    input the layers before ``start`` give ``example`` (one micro-batch)."""
+    with torch.no_grad():
+        received = _run(layers, 0, start, example) if start > 0 else example
+    best = float("inf")
+    for _ in range(repeats):
+        inputs = _leaf(received) if start > 0 else example
+        began = _now()
+        outputs = [t for t in _tensors(_run(layers, start, end, inputs)) if t.requires_grad]
+        if outputs:
+            torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
+        best = min(best, _now() - began)
+    return best
+
+
+def split_edges(boundaries: Sequence[int], layer_count: int) -> list[tuple[int, int]]:
+    """``(start, end)`` of every stage of a split."""
+    edges = [0, *boundaries, layer_count]
+    return [(edges[k], edges[k + 1]) for k in range(len(edges) - 1)]
+
+
+def candidate_cost(
+    seconds: Sequence[float],
+    boundaries: Sequence[int],
+    output_bytes: Sequence[int],
+    micro_batches: int,
+    link_seconds_per_byte: float,
+) -> float:
+    """Projected step of a split from its measured stage times, each plus twice its cut bytes
+    times the link's seconds per byte (as the partition charges them)."""
+    edges = split_edges(boundaries, len(output_bytes))
+    charged = []
+    for (start, end), compute in zip(edges, seconds):
+        cut = (output_bytes[start - 1] if start > 0 else 0) + (
+            output_bytes[end - 1] if end < len(output_bytes) else 0
+        )
+        charged.append(compute + 2 * link_seconds_per_byte * cut)
+    return projected_step(charged, micro_batches)[0]
+
+
+def trial_stage_seconds(
+    candidates: Sequence[Sequence[int]],
+    layers: Sequence[nn.Module],
+    example: tuple[Any, ...],
+    *,
+    stage: int,
+    stages: int,
+    repeats: int = 3,
+    gather: Callable[[list[float]], list[tuple[int, list[float]]]] | None = None,
+) -> list[list[float]]:
+    """Every candidate's measured seconds per stage (``[candidate][stage]``).
+
+    This rank times its own ``stage`` of every candidate; ``gather`` returns every rank's
+    ``(stage, times)`` (default: ``all_gather_object`` over the world, after a barrier per
+    candidate so that the ranks time together). A stage no rank timed raises ``ValueError``.
+    """
+    modules = nn.ModuleList(layers)
+    parameters = list(modules.parameters())
+    saved_grads = [p.grad for p in parameters]
+    saved_buffers = [b.detach().clone() for b in modules.buffers()]
+    for parameter in parameters:  # the backward passes must not add into the kept gradients
+        parameter.grad = None
+    mine: list[float] = []
+    distributed = gather is None and dist.is_available() and dist.is_initialized()
+    try:
+        with torch.random.fork_rng(devices=[]), recomputing():
+            for boundaries in candidates:
+                start, end = split_edges(boundaries, len(layers))[stage]
+                if distributed:
+                    dist.barrier()
+                mine.append(stage_seconds(layers, example, start, end, repeats))
+                for parameter in parameters:
+                    parameter.grad = None
+    finally:
+        for parameter, grad in zip(parameters, saved_grads):
+            parameter.grad = grad
+        with torch.no_grad():
+            for buffer, saved in zip(modules.buffers(), saved_buffers):
+                buffer.copy_(saved)
+    if gather is not None:
+        reports = gather(mine)
+    elif distributed:
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, (stage, mine))
+        reports = gathered
+    else:
+        reports = [(stage, mine)]
+    sums = [[0.0] * stages for _ in candidates]
+    counts = [0] * stages
+    for reported_stage, times in reports:
+        counts[reported_stage] += 1
+        for index, value in enumerate(times):
+            sums[index][reported_stage] += value
+    if not all(counts):
+        raise ValueError(f"no rank timed stages {[k for k in range(stages) if not counts[k]]}")
+    return [[total / counts[k] for k, total in enumerate(row)] for row in sums]
+
+
+def choose_by_trial(
+    candidates: Sequence[Sequence[int]],
+    measured: Sequence[Sequence[float]],
+    output_bytes: Sequence[int],
+    micro_batches: int,
+    link_seconds_per_byte: float,
+) -> int:
+    """Index of the candidate with the least projected step (the first on a tie)."""
+    costs = [
+        candidate_cost(seconds, boundaries, output_bytes, micro_batches, link_seconds_per_byte)
+        for boundaries, seconds in zip(candidates, measured)
+    ]
+    return min(range(len(costs)), key=lambda index: (costs[index], index))
