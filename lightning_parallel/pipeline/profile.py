@@ -24,7 +24,8 @@ and the random-number state are restored.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,14 +82,15 @@ def nbytes(value: Any) -> int:
     return sum(t.numel() * t.element_size() for t in tensors_of(value))
 
 
-def _detach(value: Any) -> Any:
+def received_input(value: Any) -> Any:
+    """``value`` detached, floating tensors requiring gradients (a stage's received input)."""
     if isinstance(value, torch.Tensor):
         leaf = value.detach()
         return leaf.requires_grad_(leaf.is_floating_point())
     if isinstance(value, tuple):
-        return tuple(_detach(item) for item in value)
+        return tuple(received_input(item) for item in value)
     if isinstance(value, list):
-        return [_detach(item) for item in value]
+        return [received_input(item) for item in value]
     return value
 
 
@@ -120,7 +122,7 @@ class SavedTensorMeter:
         return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
 
-def _now() -> float:
+def clock() -> float:
     """The clock, once the GPU's queued work is done (CUDA runs asynchronously: without the
     synchronization a layer would be timed by its kernel launches)."""
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -131,9 +133,9 @@ def _now() -> float:
 def _fastest_seconds(run: Callable[[], object], repeats: int) -> float:
     samples = []
     for _ in range(repeats):
-        start = _now()
+        start = clock()
         run()
-        samples.append(_now() - start)
+        samples.append(clock() - start)
     return min(samples)
 
 
@@ -144,16 +146,41 @@ def _shared_flush_seconds(layers: Sequence[Any], micro_batches: int, repeats: in
     for _ in range(repeats):
         for layer, pair in zip(layers, kept):
             layer.pending[:] = pair * micro_batches
-        start = _now()
+        start = clock()
         for layer in layers:
             layer.flush()
-        samples.append(_now() - start)
+        samples.append(clock() - start)
     return min(samples) / micro_batches
 
 
-def _call(layer: nn.Module, inputs: Any, first: bool) -> Any:
+def call_layer(layer: nn.Module, inputs: Any, first: bool) -> Any:
+    """Call one layer of the chain: the first on the model's positional inputs, a later one on
+    its input as a stage receives it."""
     # a later layer gets its input as a stage does (an in-place operation on it is allowed)
     return layer(*inputs) if first else layer(stage_inputs(inputs))
+
+
+@contextmanager
+def timing_passes(layers: Sequence[nn.Module]) -> Iterator[list[nn.Parameter]]:
+    """Run timing passes over ``layers`` without leaving a trace: the forwards count as
+    recomputations (no deferred BatchNorm statistics kept), the CPU random state is restored,
+    and the layers' gradients and buffers are put back afterwards. Yields the parameters, their
+    gradients cleared (a backward must not add into the gradients kept)."""
+    modules = nn.ModuleList(layers)
+    parameters = list(modules.parameters())
+    saved_grads = [p.grad for p in parameters]
+    saved_buffers = [b.detach().clone() for b in modules.buffers()]
+    for parameter in parameters:
+        parameter.grad = None
+    try:
+        with torch.random.fork_rng(devices=[]), recomputing():
+            yield parameters
+    finally:
+        for parameter, grad in zip(parameters, saved_grads):
+            parameter.grad = grad
+        with torch.no_grad():
+            for buffer, saved in zip(modules.buffers(), saved_buffers):
+                buffer.copy_(saved)
 
 
 def profile_layers(
@@ -172,60 +199,47 @@ def profile_layers(
     """
     if repeats < 1:
         raise ValueError(f"repeats must be at least 1, got {repeats}")
-    modules = nn.ModuleList(layers)
-    parameters = list(modules.parameters())
-    saved_grads = [p.grad for p in parameters]
-    saved_buffers = [b.detach().clone() for b in modules.buffers()]
     costs = []
-    try:
-        with torch.random.fork_rng(devices=[]), recomputing():
-            current: Any = example_args
-            for index, layer in enumerate(layers):
-                first = index == 0
-                inputs = _detach(current)
+    with timing_passes(layers) as parameters:
+        current: Any = example_args
+        for index, layer in enumerate(layers):
+            first = index == 0
+            inputs = received_input(current)
 
-                def forward(
-                    layer: nn.Module = layer, inputs: Any = inputs, first: bool = first
-                ) -> Any:
-                    return _call(layer, inputs, first)
+            def forward(layer: nn.Module = layer, inputs: Any = inputs, first: bool = first) -> Any:
+                return call_layer(layer, inputs, first)
 
-                output = forward()  # warm-up
-                forward_seconds = _fastest_seconds(forward, repeats)
-                meter = SavedTensorMeter(parameters)
-                with meter.hooks():
-                    output = forward()
-                backward_samples = []
-                deferred = deferred_linears(layer)
-                for _ in range(repeats):
-                    with deferring_weight_gradients(bool(deferred)):
-                        fresh = forward()
-                    floats = [t for t in tensors_of(fresh) if t.requires_grad]
-                    start = _now()
-                    if floats:
-                        torch.autograd.backward(floats, [torch.ones_like(t) for t in floats])
-                    backward_samples.append(_now() - start)
-                backward_seconds = min(backward_samples)
-                if deferred:
-                    backward_seconds += _shared_flush_seconds(deferred, micro_batches, repeats)
-                layer_parameters = list(layer.parameters())
-                for parameter in layer_parameters:  # never the whole model's gradients at once
-                    parameter.grad = None
-                costs.append(
-                    LayerCost(
-                        forward_seconds=forward_seconds,
-                        backward_seconds=backward_seconds,
-                        activation_bytes=meter.bytes,
-                        output_bytes=nbytes(output),
-                        parameter_bytes=sum(p.numel() * p.element_size() for p in layer_parameters),
-                    )
+            output = forward()  # warm-up
+            forward_seconds = _fastest_seconds(forward, repeats)
+            meter = SavedTensorMeter(parameters)
+            with meter.hooks():
+                output = forward()
+            backward_samples = []
+            deferred = deferred_linears(layer)
+            for _ in range(repeats):
+                with deferring_weight_gradients(bool(deferred)):
+                    fresh = forward()
+                floats = [t for t in tensors_of(fresh) if t.requires_grad]
+                start = clock()
+                if floats:
+                    torch.autograd.backward(floats, [torch.ones_like(t) for t in floats])
+                backward_samples.append(clock() - start)
+            backward_seconds = min(backward_samples)
+            if deferred:
+                backward_seconds += _shared_flush_seconds(deferred, micro_batches, repeats)
+            layer_parameters = list(layer.parameters())
+            for parameter in layer_parameters:  # never the whole model's gradients at once
+                parameter.grad = None
+            costs.append(
+                LayerCost(
+                    forward_seconds=forward_seconds,
+                    backward_seconds=backward_seconds,
+                    activation_bytes=meter.bytes,
+                    output_bytes=nbytes(output),
+                    parameter_bytes=sum(p.numel() * p.element_size() for p in layer_parameters),
                 )
-                current = output
-    finally:
-        for parameter, grad in zip(parameters, saved_grads):
-            parameter.grad = grad
-        with torch.no_grad():
-            for buffer, saved in zip(modules.buffers(), saved_buffers):
-                buffer.copy_(saved)
+            )
+            current = output
     return ModelProfile(tuple(costs), nbytes(example_args))
 
 

@@ -25,7 +25,6 @@ the random-number state is restored, so training starts as it would without the 
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -34,42 +33,22 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_parallel.pipeline.partition import projected_step
-from lightning_parallel.pipeline.recompute import recomputing
-from lightning_parallel.pipeline.stage_entry import stage_inputs
+from lightning_parallel.pipeline.profile import (
+    call_layer,
+    clock,
+    received_input,
+    tensors_of,
+    timing_passes,
+)
 
 __all__: list[str] = []
-
-
-def _tensors(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [t for item in value for t in _tensors(item)]
-    return []
-
-
-def _leaf(value: Any) -> Any:
-    """``value`` detached, floating tensors requiring gradients (a stage's received input)."""
-    if isinstance(value, torch.Tensor):
-        leaf = value.detach()
-        return leaf.requires_grad_(leaf.is_floating_point())
-    if isinstance(value, (tuple, list)):
-        return type(value)(_leaf(item) for item in value)
-    return value
 
 
 def _run(layers: Sequence[nn.Module], start: int, end: int, inputs: Any) -> Any:
     value = inputs
     for index in range(start, end):
-        layer = layers[index]
-        value = layer(*value) if index == 0 else layer(stage_inputs(value))
+        value = call_layer(layers[index], value, index == 0)
     return value
-
-
-def _now() -> float:
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
-    return time.perf_counter()
 
 
 def stage_seconds(
@@ -81,12 +60,12 @@ def stage_seconds(
         received = _run(layers, 0, start, example) if start > 0 else example
     best = float("inf")
     for _ in range(repeats):
-        inputs = _leaf(received) if start > 0 else example
-        began = _now()
-        outputs = [t for t in _tensors(_run(layers, start, end, inputs)) if t.requires_grad]
+        inputs = received_input(received) if start > 0 else example
+        began = clock()
+        outputs = [t for t in tensors_of(_run(layers, start, end, inputs)) if t.requires_grad]
         if outputs:
             torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
-        best = min(best, _now() - began)
+        best = min(best, clock() - began)
     return best
 
 
@@ -131,29 +110,16 @@ def trial_stage_seconds(
     ``(stage, times)`` (default: ``all_gather_object`` over the world, after a barrier per
     candidate so that the ranks time together). A stage no rank timed raises ``ValueError``.
     """
-    modules = nn.ModuleList(layers)
-    parameters = list(modules.parameters())
-    saved_grads = [p.grad for p in parameters]
-    saved_buffers = [b.detach().clone() for b in modules.buffers()]
-    for parameter in parameters:  # the backward passes must not add into the kept gradients
-        parameter.grad = None
     mine: list[float] = []
     distributed = gather is None and dist.is_available() and dist.is_initialized()
-    try:
-        with torch.random.fork_rng(devices=[]), recomputing():
-            for boundaries in candidates:
-                start, end = split_edges(boundaries, len(layers))[stage]
-                if distributed:
-                    dist.barrier()
-                mine.append(stage_seconds(layers, example, start, end, repeats))
-                for parameter in parameters:
-                    parameter.grad = None
-    finally:
-        for parameter, grad in zip(parameters, saved_grads):
-            parameter.grad = grad
-        with torch.no_grad():
-            for buffer, saved in zip(modules.buffers(), saved_buffers):
-                buffer.copy_(saved)
+    with timing_passes(layers) as parameters:
+        for boundaries in candidates:
+            start, end = split_edges(boundaries, len(layers))[stage]
+            if distributed:
+                dist.barrier()
+            mine.append(stage_seconds(layers, example, start, end, repeats))
+            for parameter in parameters:
+                parameter.grad = None
     if gather is not None:
         reports = gather(mine)
     elif distributed:
