@@ -122,22 +122,13 @@ class _CostModel:
         self.time = _prefix([c.seconds + self.share * c.forward_seconds for c in layers])
         self.activations = _prefix([float(c.activation_bytes) for c in layers])
         self.parameters = _prefix([float(c.parameter_bytes) for c in layers])
+        self.output_bytes = [c.output_bytes for c in layers]
 
     def seconds(self, stage: int, start: int, end: int) -> float:
         compute = self.time[end] - self.time[start]
         if not self.link:
             return compute
-        # every byte at the stage's cuts crosses twice (activation forward, gradient back)
-        return compute + 2 * self.link * self.cut_bytes(start, end)
-
-    def cut_bytes(self, start: int, end: int) -> float:
-        """The bytes at the cuts of a stage holding layers ``start .. end-1`` (its input from
-        the previous stage, its output to the next), one micro-batch, one way."""
-        layers = self.profile.layers
-        return float(
-            (layers[start - 1].output_bytes if start > 0 else 0)
-            + (layers[end - 1].output_bytes if end < len(layers) else 0)
-        )
+        return compute + link_charge(self.output_bytes, start, end, self.link)
 
     def parameter_bytes(self, stage: int, start: int, end: int) -> float:
         return self.parameters[end] - self.parameters[start]
@@ -159,6 +150,23 @@ class _CostModel:
             self.parameter_factor * (self.parameters[end] - self.parameters[start])
             + activation_memory
         )
+
+
+def link_charge(output_bytes: Sequence[int], start: int, end: int, link: float) -> float:
+    """Seconds per micro-batch that a stage holding layers ``start .. end-1`` is charged for
+    its cuts: their bytes (its input from the previous stage, its output to the next; layer
+    ``l`` outputs ``output_bytes[l]``) cross twice, activations forward and gradients back, at
+    ``link`` seconds per byte."""
+    cut = (output_bytes[start - 1] if start > 0 else 0) + (
+        output_bytes[end - 1] if end < len(output_bytes) else 0
+    )
+    return 2 * link * cut
+
+
+def split_edges(boundaries: Sequence[int], layer_count: int) -> list[tuple[int, int]]:
+    """``(start, end)`` of every stage of a split."""
+    edges = [0, *boundaries, layer_count]
+    return [(edges[k], edges[k + 1]) for k in range(len(edges) - 1)]
 
 
 def _prefix(values: Sequence[float]) -> list[float]:
@@ -217,9 +225,9 @@ def plan_for(
         profile, stages, micro_batches, schedule, recompute, parameter_factor,
         link_seconds_per_byte,
     )  # fmt: skip
-    edges = [0, *boundaries, len(profile)]
-    seconds = tuple(model.seconds(k, edges[k], edges[k + 1]) for k in range(stages))
-    memory = tuple(model.memory(k, edges[k], edges[k + 1]) for k in range(stages))
+    edges = split_edges(boundaries, len(profile))
+    seconds = tuple(model.seconds(k, *edge) for k, edge in enumerate(edges))
+    memory = tuple(model.memory(k, *edge) for k, edge in enumerate(edges))
     step, bubble = projected_step(seconds, micro_batches)
     return PartitionPlan(tuple(boundaries), seconds, memory, micro_batches, step, bubble)
 

@@ -100,7 +100,11 @@ def header_fields(tensors: Sequence[torch.Tensor], is_tuple: bool) -> list[int]:
 def encode_header(tensors: Sequence[torch.Tensor], is_tuple: bool) -> torch.Tensor:
     """The int64 header describing a stage output (see the module docstring): is it a tuple,
     how many tensors, and per tensor its dtype code, whether it requires grad, rank, sizes."""
-    fields = header_fields(tensors, is_tuple)
+    return header_of(header_fields(tensors, is_tuple))
+
+
+def header_of(fields: Sequence[int]) -> torch.Tensor:
+    """The header tensor holding ``fields`` (:func:`header_fields`), zero-padded."""
     header = torch.zeros(HEADER_LENGTH, dtype=torch.int64)
     header[: len(fields)] = torch.tensor(fields, dtype=torch.int64)
     return header
@@ -241,7 +245,7 @@ class StageTransport:
         if fields != self._announced:
             frame = self._frame(self._send_frame_bytes, HEADER_FRAME)
             header = frame[FRAME_ALIGNMENT:HEADER_FRAME_BYTES].view(torch.int64)
-            header.copy_(encode_header(tensors, is_tuple))
+            header.copy_(header_of(fields))
             self._isend(frame, self.next_rank, ACTIVATION_TAG, self.group)
             self._announced = fields
             self._send_frame_bytes = frame_bytes(specs)

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_parallel.pipeline.partition import projected_step
+from lightning_parallel.pipeline.partition import link_charge, projected_step, split_edges
 from lightning_parallel.pipeline.profile import (
     call_layer,
     clock,
@@ -69,12 +69,6 @@ def stage_seconds(
     return best
 
 
-def split_edges(boundaries: Sequence[int], layer_count: int) -> list[tuple[int, int]]:
-    """``(start, end)`` of every stage of a split."""
-    edges = [0, *boundaries, layer_count]
-    return [(edges[k], edges[k + 1]) for k in range(len(edges) - 1)]
-
-
 def candidate_cost(
     seconds: Sequence[float],
     boundaries: Sequence[int],
@@ -82,15 +76,14 @@ def candidate_cost(
     micro_batches: int,
     link_seconds_per_byte: float,
 ) -> float:
-    """Projected step of a split from its measured stage times, each plus twice its cut bytes
-    times the link's seconds per byte (as the partition charges them)."""
+    """Projected step of a split from its measured stage times, each plus its cuts' link
+    charge (:func:`~lightning_parallel.pipeline.partition.link_charge`, as the partition
+    charges them)."""
     edges = split_edges(boundaries, len(output_bytes))
-    charged = []
-    for (start, end), compute in zip(edges, seconds):
-        cut = (output_bytes[start - 1] if start > 0 else 0) + (
-            output_bytes[end - 1] if end < len(output_bytes) else 0
-        )
-        charged.append(compute + 2 * link_seconds_per_byte * cut)
+    charged = [
+        compute + link_charge(output_bytes, start, end, link_seconds_per_byte)
+        for (start, end), compute in zip(edges, seconds)
+    ]
     return projected_step(charged, micro_batches)[0]
 
 
@@ -151,4 +144,4 @@ def choose_by_trial(
         candidate_cost(seconds, boundaries, output_bytes, micro_batches, link_seconds_per_byte)
         for boundaries, seconds in zip(candidates, measured)
     ]
-    return min(range(len(costs)), key=lambda index: (costs[index], index))
+    return min(range(len(costs)), key=costs.__getitem__)

@@ -131,14 +131,18 @@ class TorchVirtualStagesStrategy(WholeModelPeer, TorchPipeliningStrategy):
     @property
     def role(self) -> int:
         """This rank's place in torch's pipeline group (the group is in global-rank order)."""
-        return self.stage_index if not self.v_shaped else self.stages - 1 - self.stage_index
+        return self._flip(self.stage_index)
+
+    def _flip(self, index: int) -> int:
+        """A stage index as a torch role and back: the V placement numbers them last stage
+        first (``p−1−index``, its own inverse), the looped one in order."""
+        return self.stages - 1 - index if self.v_shaped else index
 
     def _owner(self, chunk: int) -> int:
         """Global rank of group 0 that trains virtual stage ``chunk``."""
         p = self.stages
         role = chunk % p if not self.v_shaped else min(chunk, 2 * p - 1 - chunk)
-        stage = role if not self.v_shaped else p - 1 - role
-        return self._placement.rank(0, stage)
+        return self._placement.rank(0, self._flip(role))
 
     @property
     def _mine(self) -> list[int]:
