@@ -9,9 +9,12 @@ the plain even split. The trial measures what the projection only predicts:
 
 1. the candidates are the partition's plan and the even split (and any split the caller adds),
    without repeats;
-2. for each candidate, all ranks start together (a barrier); each rank runs the layers before
-   its own stage once without gradients to get that stage's real input, then times
-   forward + backward of its whole stage chained, ``repeats`` times, and keeps the fastest;
+2. each rank runs the layers before its own stage of each candidate once without gradients
+   to get that stage's real input; then, ``repeats`` rounds over the candidates in turn, all
+   ranks start each candidate together (a barrier) and time forward + backward of their whole
+   stage chained; each candidate keeps its fastest. Taking the candidates in turn rather than
+   one after the other lets a burst of load from elsewhere on the machine slow one round of
+   every candidate instead of every round of one;
 3. the times are gathered (``all_gather_object``) and averaged per stage over the groups; a
    candidate's cost is the schedule's projected step
    (:func:`~lightning_parallel.pipeline.partition.projected_step`) of its measured stage times
@@ -51,22 +54,22 @@ def _run(layers: Sequence[nn.Module], start: int, end: int, inputs: Any) -> Any:
     return value
 
 
-def stage_seconds(
-    layers: Sequence[nn.Module], example: tuple[Any, ...], start: int, end: int, repeats: int
-) -> float:
-    """Fastest of ``repeats`` chained forward + backward passes of ``layers[start:end]`` on the
-    input the layers before ``start`` give ``example`` (one micro-batch)."""
+def stage_input(layers: Sequence[nn.Module], example: tuple[Any, ...], start: int) -> Any:
+    """What the layers before ``start`` give ``example``, computed without gradients."""
+    if start == 0:
+        return example
     with torch.no_grad():
-        received = _run(layers, 0, start, example) if start > 0 else example
-    best = float("inf")
-    for _ in range(repeats):
-        inputs = received_input(received) if start > 0 else example
-        began = clock()
-        outputs = [t for t in tensors_of(_run(layers, start, end, inputs)) if t.requires_grad]
-        if outputs:
-            torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
-        best = min(best, clock() - began)
-    return best
+        return _run(layers, 0, start, example)
+
+
+def time_stage(layers: Sequence[nn.Module], received: Any, start: int, end: int) -> float:
+    """Seconds of one chained forward + backward of ``layers[start:end]`` on ``received``."""
+    inputs = received_input(received) if start > 0 else received
+    began = clock()
+    outputs = [t for t in tensors_of(_run(layers, start, end, inputs)) if t.requires_grad]
+    if outputs:
+        torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
+    return clock() - began
 
 
 def candidate_cost(
@@ -99,20 +102,23 @@ def trial_stage_seconds(
 ) -> list[list[float]]:
     """Every candidate's measured seconds per stage (``[candidate][stage]``).
 
-    This rank times its own ``stage`` of every candidate; ``gather`` returns every rank's
-    ``(stage, times)`` (default: ``all_gather_object`` over the world, after a barrier per
-    candidate so that the ranks time together). A stage no rank timed raises ``ValueError``.
+    This rank times its own ``stage`` of every candidate, the candidates in turn ``repeats``
+    times over; ``gather`` returns every rank's ``(stage, times)`` (default:
+    ``all_gather_object`` over the world, after a barrier before each timing so that the ranks
+    time together). A stage no rank timed raises ``ValueError``.
     """
-    mine: list[float] = []
     distributed = gather is None and dist.is_available() and dist.is_initialized()
     with timing_passes(layers) as parameters:
-        for boundaries in candidates:
-            start, end = split_edges(boundaries, len(layers))[stage]
-            if distributed:
-                dist.barrier()
-            mine.append(stage_seconds(layers, example, start, end, repeats))
-            for parameter in parameters:
-                parameter.grad = None
+        edges = [split_edges(boundaries, len(layers))[stage] for boundaries in candidates]
+        received = [stage_input(layers, example, start) for start, _ in edges]
+        mine = [float("inf")] * len(candidates)
+        for _ in range(repeats):
+            for index, (start, end) in enumerate(edges):
+                if distributed:
+                    dist.barrier()
+                mine[index] = min(mine[index], time_stage(layers, received[index], start, end))
+                for parameter in parameters:
+                    parameter.grad = None
     if gather is not None:
         reports = gather(mine)
     elif distributed:

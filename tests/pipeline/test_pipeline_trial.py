@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -48,10 +49,25 @@ def test_a_trial_leaves_weights_buffers_gradients_and_random_state_as_they_were(
     assert torch.equal(torch.get_rng_state(), rng)
 
 
+class _Wait(nn.Module):
+    """A layer that takes ``seconds`` of wall-clock time (a sleep: the load that other tests
+    put on a shared machine stretches it by a wake-up at most, not by a time slice per
+    millisecond of work as it does a matrix product)."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(self.seconds)
+        return x
+
+
 def _settle(rank: int, world_size: int) -> dict[str, Any]:
-    """Real costs: a matrix product at layers 0 and 3, ReLUs elsewhere, so the even split
-    (cut 3) balances. The profile is replaced by one that calls layer 5 the only heavy one:
-    the projection cuts at 5 (both products on stage 0); the trial must find the even split."""
+    """Real costs: 20 ms at layers 1 and 4, little elsewhere, so the even split (cut 3)
+    balances. The profile is replaced by one that calls layer 5 the only heavy one: the
+    projection cuts at 5 (both waits on stage 0, twice the even split's slowest stage); the
+    trial must find the even split."""
     import lightning_parallel.pipeline.assembly as assembly
     from lightning_parallel.comm.ledger import process_ledger
     from lightning_parallel.pipeline.partition import partition
@@ -59,16 +75,16 @@ def _settle(rank: int, world_size: int) -> dict[str, Any]:
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    width = 768
-    layers = [nn.Linear(width, width), nn.ReLU(), nn.ReLU(), nn.Linear(width, width)]
-    layers += [nn.ReLU(), nn.ReLU()]
+    width = 32
+    layers = [nn.Linear(width, width), _Wait(0.02), nn.ReLU()]
+    layers += [nn.Linear(width, width), _Wait(0.02), nn.ReLU()]
     wrong = ModelProfile(
         tuple(LayerCost(0.001, 0.001 if k < 5 else 0.01, 0, 0, 0) for k in range(6)), 0
     )
     assembly.profile_layers = lambda *args, **kwargs: wrong  # type: ignore[assignment]
     boundaries, plan = assembly.choose_boundaries(
         layers,
-        (torch.randn(128, width),),
+        (torch.randn(16, width),),
         how="auto",
         stages=2,
         micro_batches=8,
