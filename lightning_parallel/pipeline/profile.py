@@ -160,6 +160,14 @@ def call_layer(layer: nn.Module, inputs: Any, first: bool) -> Any:
     return layer(*inputs) if first else layer(stage_inputs(inputs))
 
 
+def backward_ones(value: Any) -> None:
+    """Backward from every tensor in ``value`` that requires a gradient, with a gradient of
+    ones (a timing pass's backward: the values do not matter, the work does)."""
+    outputs = [t for t in tensors_of(value) if t.requires_grad]
+    if outputs:
+        torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
+
+
 @contextmanager
 def timing_passes(layers: Sequence[nn.Module]) -> Iterator[list[nn.Parameter]]:
     """Run timing passes over ``layers`` without leaving a trace: the forwards count as
@@ -219,10 +227,8 @@ def profile_layers(
             for _ in range(repeats):
                 with deferring_weight_gradients(bool(deferred)):
                     fresh = forward()
-                floats = [t for t in tensors_of(fresh) if t.requires_grad]
                 start = clock()
-                if floats:
-                    torch.autograd.backward(floats, [torch.ones_like(t) for t in floats])
+                backward_ones(fresh)
                 backward_samples.append(clock() - start)
             backward_seconds = min(backward_samples)
             if deferred:

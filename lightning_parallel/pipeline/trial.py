@@ -37,10 +37,10 @@ from torch import nn
 
 from lightning_parallel.pipeline.partition import link_charge, projected_step, split_edges
 from lightning_parallel.pipeline.profile import (
+    backward_ones,
     call_layer,
     clock,
     received_input,
-    tensors_of,
     timing_passes,
 )
 
@@ -66,9 +66,7 @@ def time_stage(layers: Sequence[nn.Module], received: Any, start: int, end: int)
     """Seconds of one chained forward + backward of ``layers[start:end]`` on ``received``."""
     inputs = received_input(received) if start > 0 else received
     began = clock()
-    outputs = [t for t in tensors_of(_run(layers, start, end, inputs)) if t.requires_grad]
-    if outputs:
-        torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
+    backward_ones(_run(layers, start, end, inputs))
     return clock() - began
 
 
