@@ -23,8 +23,8 @@ call, and a bucket whose layers are all uncompressed takes torch's asynchronous 
 exactly as in DDP.
 """
 
-import math
 import os
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -45,9 +45,9 @@ from lightning_parallel.compression.exchange import (
     check_piece_numel,
     resolve_piece_numel,
 )
-from lightning_parallel.compression.exchange_residuals import server_residual_norm
 from lightning_parallel.compression.exchange_step import no_sync
-from lightning_parallel.compression.policy import DENSE, ROUTES, HyloPolicy, LayerPlan
+from lightning_parallel.compression.policy import DENSE, HyloPolicy, LayerPlan
+from lightning_parallel.compression.telemetry import exchange_gauges
 from lightning_parallel.compression.trials import try_candidates
 
 __all__: list[str] = []
@@ -146,6 +146,8 @@ class HyloHook:
         self._thread: BackgroundThread | None = None
         self.overlap_buckets = overlap_buckets
         self.overlapped = 0  # buckets finished after the next one had started
+        self.tail_seconds = 0.0  # the last step's exchange after its last bucket was handed over
+        self._thread_mark = 0.0  # the background thread's processor time at the step's start
         # a bucket whose last round waits for the next bucket's start (background thread)
         self._deferred: _Deferred | None = None
         self._agreed = False  # the ranks' settings were compared (at the first exchange)
@@ -193,7 +195,10 @@ class HyloHook:
         if not overlap:
             return self._average(buffer, params, is_last, blocking=False)
         future: torch.futures.Future[Tensor] = torch.futures.Future()
-        self._background().submit(lambda: self._complete(future, buffer, params, is_last))
+        thread, handed = self._background(), time.perf_counter()
+        if bucket.index() == 0:  # a step's first bucket: its thread time is counted from here
+            self._thread_mark = thread.cpu_seconds
+        thread.submit(lambda: self._complete(future, buffer, params, is_last, handed))
         return future
 
     def average_flat(self, buffer: Tensor, params: list[Tensor]) -> None:
@@ -213,10 +218,13 @@ class HyloHook:
         buffer: Tensor,
         params: list[Tensor],
         is_last: bool,
+        handed: float,
     ) -> None:
         """Run one bucket on the background thread and settle ``future`` (errors included).
         With ``overlap_buckets`` its last round runs once the next bucket's collectives are
         issued (at once for the step's last bucket): the next one's encoding overlaps with it.
+        ``handed``: when DDP handed the bucket over; for the step's last bucket, the time from
+        then until it is settled is the exchange left exposed after the backward pass.
         """
         try:
             finish, _ = self._begin(buffer, params, is_last, blocking=True)
@@ -230,6 +238,8 @@ class HyloHook:
         self._deferred = (finish, future, buffer)
         if is_last or not self.overlap_buckets:
             self._settle_deferred()
+        if is_last:
+            self.tail_seconds = time.perf_counter() - handed
 
     def _settle_deferred(self) -> None:
         """Finish the deferred bucket, if any, and settle its future."""
@@ -445,31 +455,19 @@ class HyloHook:
     # -- telemetry ------------------------------------------------------------------------
 
     def gauges(self, per_layer: bool = True) -> dict[str, float]:
-        """Latest per-layer and total costs, as ledger gauges (``CommStats`` logs them); a
-        layer's ``route`` gauge is the index of its route in
-        :data:`~lightning_parallel.compression.policy.ROUTES`."""
-        gauges: dict[str, float] = {}
-        total_sent = sum(report.bytes_sent for report in self.reports.values())
-        total_dense = sum(report.dense_bytes for report in self.reports.values())
-        residual_squares = 0.0
-        for name, report in sorted(self.reports.items()):
-            server = server_residual_norm(self.server_memory, name)
-            residual = math.hypot(self.memory.norm(name), server)
-            residual_squares += residual**2
-            if per_layer:
-                gauges[f"hylo/{name}/bytes"] = report.bytes_sent
-                gauges[f"hylo/{name}/compression_ratio"] = report.compression_ratio
-                gauges[f"hylo/{name}/encode_ms"] = report.encode_s * 1e3
-                gauges[f"hylo/{name}/decode_ms"] = report.decode_s * 1e3
-                gauges[f"hylo/{name}/residual_norm"] = residual
-                gauges[f"hylo/{name}/route"] = float(ROUTES.index(self.plans[name].route))
-        gauges["compression_ratio"] = total_dense / total_sent if total_sent > 0 else 1.0
-        gauges["hylo/bytes"] = total_sent
-        gauges["hylo/encode_ms"] = sum(r.encode_s for r in self.reports.values()) * 1e3
-        gauges["hylo/decode_ms"] = sum(r.decode_s for r in self.reports.values()) * 1e3
-        gauges["hylo/residual_norm"] = math.sqrt(residual_squares)
+        """Latest per-layer and total costs, as ledger gauges (``CommStats`` logs them; see
+        :func:`~lightning_parallel.compression.telemetry.exchange_gauges`); on the background
+        thread also the step's processor time on that thread (``hylo/thread_cpu_ms``, which a
+        host whose cores run the backward pass pays on top of it) and the exchange left after
+        the last bucket was handed over (``hylo/tail_ms``)."""
+        gauges = exchange_gauges(
+            self.reports, self.plans, self.memory, self.server_memory, per_layer
+        )
         gauges["hylo/hook_calls"] = float(self.calls)
         gauges["hylo/compressed_layers"] = float(sum(p.compressed for p in self.plans.values()))
+        if self._thread is not None:
+            gauges["hylo/thread_cpu_ms"] = (self._thread.cpu_seconds - self._thread_mark) * 1e3
+            gauges["hylo/tail_ms"] = self.tail_seconds * 1e3
         return gauges
 
     # -- checkpointing --------------------------------------------------------------------

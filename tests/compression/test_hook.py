@@ -426,3 +426,26 @@ def test_the_cost_model_keeps_each_layers_cheapest_candidate() -> None:
     assert before["5.weight"] == after["5.weight"] == "two_bit"
     # both layers' candidates were tried on the calibration steps: a measured error each
     assert 0 < errors["3.weight"] < 1 and 0 < errors["5.weight"] < 1
+
+
+def _thread_gauges(rank: int, world: int, overlap: bool) -> dict[str, Any]:
+    ddp = _ddp(_every_route_model())
+    hook = HyloHook(ddp.module.named_parameters(), _policy(low_rank_min_numel=400), overlap=overlap)
+    hook.register(ddp)
+    for step in range(4):
+        _step(ddp, rank, step)
+    thread = hook._thread
+    return {
+        "gauges": hook.gauges(per_layer=False),
+        "total_ms": None if thread is None else thread.cpu_seconds * 1e3,
+    }
+
+
+def test_the_exchange_threads_processor_time_and_tail_are_gauged_per_step() -> None:
+    threaded = run_distributed(_thread_gauges, 2, True)[0]
+    gauges = threaded["gauges"]
+    # the last step's share only: four steps took more than one of them
+    assert 0 < gauges["hylo/thread_cpu_ms"] < threaded["total_ms"]
+    assert gauges["hylo/tail_ms"] > 0
+    inline = run_distributed(_thread_gauges, 2, False)[0]["gauges"]
+    assert "hylo/thread_cpu_ms" not in inline and "hylo/tail_ms" not in inline

@@ -1,0 +1,38 @@
+"""The Hylo hook's background thread: jobs in order, and the processor time they take."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from lightning_parallel.compression.background import BackgroundThread
+
+
+def _run(thread: BackgroundThread, job: object) -> None:
+    done = threading.Event()
+    thread.submit(job)  # type: ignore[arg-type]
+    thread.submit(done.set)
+    assert done.wait(10)
+
+
+def test_jobs_run_in_submission_order() -> None:
+    thread, order = BackgroundThread(), []
+    for index in range(20):
+        thread.submit(lambda index=index: order.append(index))
+    _run(thread, lambda: None)
+    assert order == list(range(20))
+
+
+def test_the_thread_counts_processor_time_and_not_waiting() -> None:
+    thread = BackgroundThread()
+
+    def spin() -> None:  # 0.1 s of this thread's processor time, however long it takes
+        started = time.thread_time()
+        while time.thread_time() - started < 0.1:
+            pass
+
+    _run(thread, lambda: time.sleep(0.2))
+    slept = thread.cpu_seconds
+    _run(thread, spin)
+    assert slept < 0.05
+    assert 0.1 <= thread.cpu_seconds - slept < 0.15
