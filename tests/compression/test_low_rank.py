@@ -11,7 +11,13 @@ import torch
 from helpers.distributed import run_distributed
 
 from lightning_parallel.comm.accounting import ring_allreduce_bytes
-from lightning_parallel.compression import ErrorFeedback, HyloExchange, LayerGradient, LayerPlan
+from lightning_parallel.compression import (
+    ErrorFeedback,
+    HyloExchange,
+    LayerGradient,
+    LayerPlan,
+    low_rank,
+)
 from lightning_parallel.compression.low_rank import LowRank, orthonormalize
 from lightning_parallel.compression.policy import LOW_RANK, ROUTES
 
@@ -65,7 +71,9 @@ def test_warm_start_factors_are_checkpointed() -> None:
     )
 
 
-def _exchange(rank: int, world: int) -> dict:
+def _exchange(rank: int, world: int, block_bytes: int | None = None) -> dict:
+    if block_bytes is not None:  # rows of 160 bytes: blocks of block_bytes // 160 rows
+        low_rank.ROW_BLOCK_BYTES = block_bytes
     codec = LowRank(rank=2)
     exchange = HyloExchange(ErrorFeedback(), ErrorFeedback())
     plan = LayerPlan("fc.weight", SHAPE, LOW_RANK, codec)
@@ -75,12 +83,19 @@ def _exchange(rank: int, world: int) -> dict:
         reports = exchange.average([layer])
         averages.append(layer.gradient.clone())
         sent.append(reports["fc.weight"].bytes_sent)
-    return {"averages": averages, "sent": sent, "residual": exchange.memory.pop("fc.weight")}
+    return {
+        "averages": averages,
+        "sent": sent,
+        "residual": exchange.memory.pop("fc.weight"),
+        "blocks": len(low_rank.row_blocks(*SHAPE, 4, torch.device("cpu"))),
+    }
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_low_rank_route_equals_the_hand_computation(world: int) -> None:
-    results = run_distributed(_exchange, world)
+@pytest.mark.parametrize(("world", "block_bytes"), [(2, None), (3, None), (2, 640), (3, 960)])
+def test_low_rank_route_equals_the_hand_computation(world: int, block_bytes: int | None) -> None:
+    results = run_distributed(_exchange, world, block_bytes)
+    # the whole matrix at once by default; blocks of 4 and 6 rows when asked
+    assert results[0]["blocks"] == {None: 1, 640: 6, 960: 4}[block_bytes]
     codec = LowRank(rank=2)
     q = codec.warm_start("fc.weight", SHAPE, torch.zeros(1))
     residuals = [torch.zeros(SHAPE) for _ in range(world)]
