@@ -47,7 +47,7 @@ from lightning_parallel.compression.exchange import (
 )
 from lightning_parallel.compression.exchange_step import no_sync
 from lightning_parallel.compression.policy import DENSE, HyloPolicy, LayerPlan
-from lightning_parallel.compression.telemetry import exchange_gauges
+from lightning_parallel.compression.telemetry import StepAverages, exchange_gauges
 from lightning_parallel.compression.trials import try_candidates
 
 __all__: list[str] = []
@@ -146,8 +146,7 @@ class HyloHook:
         self._thread: BackgroundThread | None = None
         self.overlap_buckets = overlap_buckets
         self.overlapped = 0  # buckets finished after the next one had started
-        self.tail_seconds = 0.0  # the last step's exchange after its last bucket was handed over
-        self._thread_mark = 0.0  # the background thread's processor time at the step's start
+        self.averages = StepAverages()  # the background thread's time per steady step
         # a bucket whose last round waits for the next bucket's start (background thread)
         self._deferred: _Deferred | None = None
         self._agreed = False  # the ranks' settings were compared (at the first exchange)
@@ -196,8 +195,8 @@ class HyloHook:
             return self._average(buffer, params, is_last, blocking=False)
         future: torch.futures.Future[Tensor] = torch.futures.Future()
         thread, handed = self._background(), time.perf_counter()
-        if bucket.index() == 0:  # a step's first bucket: its thread time is counted from here
-            self._thread_mark = thread.cpu_seconds
+        if bucket.index() == 0 and self.step >= self.warmup_steps + self._calibrations:
+            self.averages.step_begins(thread, self.step)  # a steady step: counted from here
         thread.submit(lambda: self._complete(future, buffer, params, is_last, handed))
         return future
 
@@ -239,7 +238,7 @@ class HyloHook:
         if is_last or not self.overlap_buckets:
             self._settle_deferred()
         if is_last:
-            self.tail_seconds = time.perf_counter() - handed
+            self.averages.add_tail(time.perf_counter() - handed)
 
     def _settle_deferred(self) -> None:
         """Finish the deferred bucket, if any, and settle its future."""
@@ -387,6 +386,11 @@ class HyloHook:
 
     # -- warm-up calibration and the cost model -------------------------------------------
 
+    @property
+    def _calibrations(self) -> int:
+        """Steps that calibrate the cost model (none without one)."""
+        return self.calibration_steps if self.cost_model is not None else 0
+
     def _calibrating(self) -> bool:
         return (
             self.cost_model is not None
@@ -457,18 +461,14 @@ class HyloHook:
     def gauges(self, per_layer: bool = True) -> dict[str, float]:
         """Latest per-layer and total costs, as ledger gauges (``CommStats`` logs them; see
         :func:`~lightning_parallel.compression.telemetry.exchange_gauges`); on the background
-        thread also the step's processor time on that thread (``hylo/thread_cpu_ms``, which a
-        host whose cores run the backward pass pays on top of it) and the exchange left after
-        the last bucket was handed over (``hylo/tail_ms``)."""
+        thread also its means per step since the calibration
+        (:class:`~lightning_parallel.compression.telemetry.StepAverages`)."""
         gauges = exchange_gauges(
             self.reports, self.plans, self.memory, self.server_memory, per_layer
         )
         gauges["hylo/hook_calls"] = float(self.calls)
         gauges["hylo/compressed_layers"] = float(sum(p.compressed for p in self.plans.values()))
-        if self._thread is not None:
-            gauges["hylo/thread_cpu_ms"] = (self._thread.cpu_seconds - self._thread_mark) * 1e3
-            gauges["hylo/tail_ms"] = self.tail_seconds * 1e3
-        return gauges
+        return {**gauges, **self.averages.gauges(self.step)}
 
     # -- checkpointing --------------------------------------------------------------------
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
+
 from lightning_parallel.compression.background import BackgroundThread
 
 
@@ -36,3 +38,24 @@ def test_the_thread_counts_processor_time_and_not_waiting() -> None:
     _run(thread, spin)
     assert slept < 0.05
     assert 0.1 <= thread.cpu_seconds - slept < 0.15
+
+
+def test_step_averages_count_from_the_first_steady_step_and_restart_with_a_new_thread() -> None:
+    from lightning_parallel.compression.telemetry import StepAverages
+
+    thread, averages = BackgroundThread(), StepAverages()
+    averages.add_tail(9.0)  # before counting began: not counted
+    assert averages.gauges(step=3) == {}
+    thread.cpu_seconds = 1.0
+    averages.step_begins(thread, step=2)
+    averages.add_tail(0.010)
+    thread.cpu_seconds = 1.5
+    averages.step_begins(thread, step=3)  # the same thread: counting goes on
+    averages.add_tail(0.030)
+    thread.cpu_seconds = 1.7
+    assert averages.gauges(step=4) == {
+        "hylo/thread_cpu_ms": pytest.approx(350.0),
+        "hylo/tail_ms": pytest.approx(20.0),
+    }
+    averages.step_begins(BackgroundThread(), step=4)  # after a fork: a new thread, a new count
+    assert averages.gauges(step=4) == {}
