@@ -17,8 +17,8 @@ Each rank sends the bytes of an allreduce of ``(rows + cols) r`` values per laye
 On the CPU the two steps that pass over ``M`` twice (``M = g + e`` then ``P = M Q``; the
 gradient ``P Q^T`` then ``M - P Q^T``) go block of rows by block of rows
 (:func:`~lightning_parallel.compression.low_rank.row_blocks`), so that the second pass reads the
-block from cache: the same values, about 40% less of the exchange thread's processor time on a
-large layer.
+block from cache: the same values for less processor time (on ``vgg_mini``, whose two large
+layers go low rank, the exchange thread took 83-91 ms a step against 107-121 ms).
 """
 
 from __future__ import annotations

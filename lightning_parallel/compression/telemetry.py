@@ -8,7 +8,7 @@ layer into ledger gauges (``CommStats`` logs them): per layer ``hylo/<name>/...`
 :class:`StepAverages` gives the means per step of what the background thread costs once the
 calibration is over: ``hylo/thread_cpu_ms``, the thread's processor time (a host whose cores all
 run the backward pass pays it on top of the backward pass, however well the exchange overlaps),
-and ``hylo/tail_ms``, the seconds from DDP handing over a step's last bucket until it is
+and ``hylo/tail_ms``, the time from DDP handing over a step's last bucket until it is
 averaged (the exchange left exposed after the backward pass).
 """
 
