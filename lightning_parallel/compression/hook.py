@@ -392,10 +392,7 @@ class HyloHook:
         return self.calibration_steps if self.cost_model is not None else 0
 
     def _calibrating(self) -> bool:
-        return (
-            self.cost_model is not None
-            and self.warmup_steps <= self.step < self.warmup_steps + self.calibration_steps
-        )
+        return self.warmup_steps <= self.step < self.warmup_steps + self._calibrations
 
     def _try_candidates(self, layers: list[LayerGradient], world: int) -> None:
         """Measure every candidate codec of the layers that have several (see

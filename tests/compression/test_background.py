@@ -8,6 +8,7 @@ import time
 import pytest
 
 from lightning_parallel.compression.background import BackgroundThread
+from lightning_parallel.compression.telemetry import StepAverages
 
 
 def _run(thread: BackgroundThread, job: object) -> None:
@@ -41,8 +42,6 @@ def test_the_thread_counts_processor_time_and_not_waiting() -> None:
 
 
 def test_step_averages_count_from_the_first_steady_step_and_restart_with_a_new_thread() -> None:
-    from lightning_parallel.compression.telemetry import StepAverages
-
     thread, averages = BackgroundThread(), StepAverages()
     averages.add_tail(9.0)  # before counting began: not counted
     assert averages.gauges(step=3) == {}
