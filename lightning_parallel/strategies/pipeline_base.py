@@ -17,12 +17,12 @@ data-parallel groups of ``stages`` pipeline stages. It owns what does not depend
    rebuilt over the owned parameters with its hyperparameters and schedulers kept;
 3. **the user's code**: ``training_step``/``validation_step`` called with ``forward`` patched to
    return the pipeline's output on the last stage (the training step, ``backward`` and clipping
-   by norm: the inherited :class:`~.pipeline_training.PipelineTraining`), logged values mirrored
-   to every rank, ``reduce`` over a stage's data-parallel replicas, evaluation as pipelined
-   forwards;
-4. **checkpoints** (always whole) and the whole model on rank 0 after a ``spawn``/``fork``
-   ``fit``: the inherited :class:`~.pipeline_checkpoints.PipelineCheckpoints`. Otherwise after
-   ``fit`` a rank holds its own stage only; the other stages' parameters are on ``meta``.
+   by norm: the inherited :class:`~.pipeline_training.PipelineTraining`; evaluation as
+   pipelined forwards: :class:`~.pipeline_evaluation.PipelineEvaluation`), logged values
+   mirrored to every rank, ``reduce`` over a stage's data-parallel replicas;
+4. **checkpoints** (always whole, or refused) and the whole model on rank 0 after ``fit``,
+   whatever the launcher: the inherited :class:`~.pipeline_checkpoints.PipelineCheckpoints`.
+   The other ranks hold their own stage only; the other stages' parameters are on ``meta``.
 
 Extension points for a subclass (an engine): :meth:`prepare_module` (convert layers before the
 optimizers exist), :meth:`gradient_sync` (the stage's cross-group gradient averaging, or
@@ -34,7 +34,7 @@ and :meth:`hand_back_gradients`, and Lightning's own ``optimizer_step``.
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -69,15 +69,10 @@ from lightning_parallel.pipeline.discovery import (
 )
 from lightning_parallel.pipeline.export_split import (
     FlatCall,
-    merge_outputs,
     split_layers,
     stage_zero_inputs,
 )
 from lightning_parallel.pipeline.grad_sync import PartitionGradientSync
-from lightning_parallel.pipeline.microbatch import (
-    batch_size,
-    split_microbatches,
-)
 from lightning_parallel.pipeline.ownership import TensorNames, restrict_optimizers
 from lightning_parallel.pipeline.partition import PartitionPlan
 from lightning_parallel.pipeline.patching import capture_call, patched
@@ -87,19 +82,20 @@ from lightning_parallel.pipeline.stages import (
     put_back,
     split_stages,
 )
-from lightning_parallel.pipeline.summary import LogRecorder, point_metrics_at
+from lightning_parallel.pipeline.summary import point_metrics_at
 from lightning_parallel.pipeline.timeline import TimelineEvent, gather_timeline, save_timeline
 from lightning_parallel.pipeline.topology import (
     PipelineTopology,
     ProcessGroups,
     build_process_groups,
 )
-from lightning_parallel.strategies.pipeline_training import PipelineTraining, check_trainable
+from lightning_parallel.strategies.pipeline_evaluation import PipelineEvaluation
+from lightning_parallel.strategies.pipeline_training import check_trainable
 
 __all__ = ["PipelineStrategyBase"]
 
 
-class PipelineStrategyBase(PipelineTraining):
+class PipelineStrategyBase(PipelineEvaluation):
     """The shared Lightning integration of the pipeline strategies (see the module docstring).
 
     Args:
@@ -260,10 +256,12 @@ class PipelineStrategyBase(PipelineTraining):
         if self._groups is None:  # a single process without setup_environment (tests)
             self.setup_environment()
         fitting = trainer.state.fn == TrainerFn.FITTING
-        if not is_deferred(self.model):
+        if not self._deferred_on_any_rank():
             # processes started apart (popen, torchrun) initialize differently: start from
             # rank 0's (a stage materialized later is synchronized then)
             broadcast_module_states(self.model)
+        if fitting:
+            self._ended_stage_state = None  # this fit's engine state replaces the last one's
         self._target = None  # decided at the first step (a new run may bring a new module)
         if self.split_module:  # a wrong name fails here, before any stage is built
             named_target(module, self.split_module)
@@ -275,6 +273,16 @@ class PipelineStrategyBase(PipelineTraining):
         self.setup_precision_plugin()
         self.install_gradient_clipping()
         self._pipeline = None  # built at the first batch (the model input shows its shapes)
+
+    def _deferred_on_any_rank(self) -> bool:
+        """Whether some rank's model has tensors on ``meta`` (built deferred, or holding one
+        stage after an earlier run while rank 0 holds the whole model): one answer for every
+        rank, so that all or none of them broadcast."""
+        assert self.model is not None
+        deferred = torch.tensor([int(is_deferred(self.model))])
+        if self.world_size > 1 and dist.is_available() and dist.is_initialized():
+            dist.all_reduce(deferred, op=dist.ReduceOp.MAX, group=self._cpu_group)
+        return bool(deferred.item())
 
     def prepare_module(self, module: pl.LightningModule, fitting: bool) -> None:
         """Convert layers before the optimizers exist (an engine's hook; default: nothing)."""
@@ -355,6 +363,7 @@ class PipelineStrategyBase(PipelineTraining):
             gradient_sync=self.gradient_sync,
         )
         self._boundaries, self.partition_plan = boundaries, plan
+        self._ended = None  # the ranks now hold this run's stages
         self._apply_resume(self._pipeline)
         trainer = attached_trainer(module)
         fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
@@ -401,50 +410,6 @@ class PipelineStrategyBase(PipelineTraining):
             device=lambda: self.root_device,
         )
 
-    # -- evaluation ------------------------------------------------------------------------
-
-    def _evaluation_step(self, hook: str, context: Callable[[], Any], args: tuple[Any, ...]) -> Any:
-        batch, hook_args = args[0], args[1:]
-        micro = split_microbatches(batch, self.micro_batches)
-        first = self.stage_index == 0
-        inputs = None
-        if first or self._pipeline is None:
-            inputs = [
-                self.capture(hook, part, hook_args) for part in (micro if first else micro[:1])
-            ]
-        pipeline = self.ensure_pipeline(inputs[0] if inputs else ())
-        runtime = pipeline.runtime
-        with context():
-            stats = runtime.run_forward_only(len(micro), inputs if first else None)
-        result = None
-        recorder = LogRecorder()
-        if runtime.is_last:
-            outputs = [stats.outputs[j] for j in range(len(micro))]
-            sizes = [batch_size(part) for part in micro]
-            merged = merge_outputs(outputs, sizes, flat=self._call is not None)
-            with context():
-                result = self.user_step(hook, batch, hook_args, merged, recorder)
-        summary = pipeline.summary.exchange(logged=recorder.combined() if runtime.is_last else ())
-        self.replay(summary.logged)
-        return result
-
-    @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        self.set_activity("validation (pipelined forward)")
-        return self._evaluation_step(
-            "validation_step", self.precision_plugin.val_step_context, args
-        )
-
-    @override
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._evaluation_step("test_step", self.precision_plugin.test_step_context, args)
-
-    @override
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._evaluation_step(
-            "predict_step", self.precision_plugin.predict_step_context, args
-        )
-
     # -- collectives Lightning asks for ------------------------------------------------------
 
     @override
@@ -469,9 +434,7 @@ class PipelineStrategyBase(PipelineTraining):
 
     @override
     def on_train_end(self) -> None:
-        super().on_train_end()
-        if self.returns_model_to_parent and self.owns_stages:
-            self.gather_model_on_rank_zero()
+        super().on_train_end()  # the whole model on rank 0 (PipelineCheckpoints)
         if self.timeline_path is not None:
             self.write_timeline(Path(self.timeline_path))
 
@@ -489,7 +452,6 @@ class PipelineStrategyBase(PipelineTraining):
     @override
     def teardown(self) -> None:
         self.remove_gradient_clipping()
-        self._pipeline = None
         module = self.lightning_module
         if module is None or not is_deferred(module):
             super().teardown()

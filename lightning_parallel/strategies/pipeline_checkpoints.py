@@ -14,7 +14,14 @@
    builds the same stages) and each rank copies its own stage's weights, optimizer state and
    engine state, once its stage exists (at the first batch), by name;
 3. **the end of fit**: :meth:`~PipelineCheckpoints.gather_model_on_rank_zero` gives rank 0
-   every stage's weights, stage by stage (what the ``spawn``/``fork`` launchers hand back).
+   every stage's weights, stage by stage, whatever the launcher (what ``spawn``/``fork`` hand
+   back to the parent; ``trainer.model`` on rank 0 under ``popen``, ``torchrun`` or SLURM);
+4. **after a run**: the ranks still hold that run's stages (rank 0 the whole model, the
+   others their own stage), so a ``trainer.save_checkpoint`` after ``fit`` gathers them as one
+   during ``fit`` does, from the run's pipeline (:attr:`~PipelineCheckpoints._ended`) and the
+   engine state taken at the end of ``fit``;
+5. **never partial**: a checkpoint whose ``state_dict`` would miss a tensor of the model is
+   refused with :class:`PartialCheckpointError` before anything is written.
 
 An engine keeps its own per-stage state (a weight predictor) with :meth:`stage_state` and
 :meth:`load_stage_state`.
@@ -49,6 +56,10 @@ from lightning_parallel.strategies.base import ParallelStrategyBase
 __all__: list[str] = []
 
 
+class PartialCheckpointError(RuntimeError):
+    """A pipeline checkpoint would miss some of the model's tensors; nothing was written."""
+
+
 class PipelineCheckpoints(ParallelStrategyBase):
     """Save every stage in one checkpoint; resume each rank's own stage from it."""
 
@@ -58,6 +69,11 @@ class PipelineCheckpoints(ParallelStrategyBase):
     owns_stages: ClassVar[bool] = True
     #: this rank's part of the pipeline, once built
     _pipeline: Pipeline | None = None
+    #: the pipeline of the run that ended last: the ranks hold its stages until the next run
+    #: builds its own, and a checkpoint written meanwhile gathers them through it
+    _ended: Pipeline | None = None
+    #: :meth:`stage_state` at the end of the last ``fit`` (an engine drops its runtime then)
+    _ended_stage_state: dict[str, Any] | None = None
     #: the placement, once the processes exist
     _topology: PipelineTopology | None = None
     #: a gloo group over the world for checkpoint bytes
@@ -74,6 +90,11 @@ class PipelineCheckpoints(ParallelStrategyBase):
 
         @property
         def stage_index(self) -> int: ...
+
+    @property
+    def _held(self) -> Pipeline | None:
+        """The pipeline whose stages the ranks hold now: the running one, else the last."""
+        return self._pipeline if self._pipeline is not None else self._ended
 
     def _owners(self) -> list[int]:
         assert self._topology is not None
@@ -101,20 +122,30 @@ class PipelineCheckpoints(ParallelStrategyBase):
         the whole model (:mod:`~lightning_parallel.pipeline.checkpoint_layout`)."""
         inner = unwrapped_optimizer(optimizer)
         names = getattr(inner, "_lp_parameter_names", None)
-        if names is None or self._pipeline is None:
+        pipeline = self._held
+        if names is None or pipeline is None:
             return inner.state_dict()
-        return whole_model_layout(inner, names, self._pipeline.name_of)
+        return whole_model_layout(inner, names, pipeline.name_of)
 
     @override
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: StrPath, storage_options: Any | None = None
     ) -> None:
-        """Every stage's pieces to rank 0, one at a time; rank 0 writes one whole checkpoint."""
-        if self._pipeline is None or self.world_size == 1 or not self.owns_stages:
+        """Every stage's pieces to rank 0, one at a time; rank 0 writes one whole checkpoint.
+
+        Raises:
+            PartialCheckpointError: the file would miss some of the model's tensors (nothing is
+                written).
+        """
+        module = self.lightning_module
+        assert module is not None
+        order = list(module.state_dict())  # every tensor's name, meta ones too
+        pipeline = self._held
+        if pipeline is None or self.world_size == 1 or not self.owns_stages:
             if self.is_global_zero:
-                self._write(checkpoint, filepath, storage_options)
+                self._write(checkpoint, filepath, storage_options, order)
             return
-        pieces = stage_pieces(checkpoint, self.stage_state())
+        pieces = stage_pieces(checkpoint, self._stage_state_to_save())
         spill = None
         if self.is_global_zero:
             spill = Path(tempfile.mkdtemp(prefix=".lp-stages-", dir=local_folder(filepath)))
@@ -127,16 +158,26 @@ class PipelineCheckpoints(ParallelStrategyBase):
                 group=self._cpu_group,
             )
             if gathered is not None:  # rank 0
-                order = list(self.lightning_module.state_dict())  # type: ignore[union-attr]
-                merged = merge_pipeline_checkpoint(
-                    checkpoint, gathered, order, self._pipeline.boundaries
-                )
-                self._write(merged, filepath, storage_options)
+                merged = merge_pipeline_checkpoint(checkpoint, gathered, order, pipeline.boundaries)
+                self._write(merged, filepath, storage_options, order)
         finally:
             remove_spill(spill)
         self.barrier("pipeline checkpoint written")
 
-    def _write(self, checkpoint: dict[str, Any], filepath: StrPath, storage_options: Any) -> None:
+    def _stage_state_to_save(self) -> dict[str, Any]:
+        state = self.stage_state()
+        if not state and self._pipeline is None and self._ended_stage_state is not None:
+            return self._ended_stage_state  # the engine's runtime ended with the last fit
+        return state
+
+    def _write(
+        self,
+        checkpoint: dict[str, Any],
+        filepath: StrPath,
+        storage_options: Any,
+        order: list[str],
+    ) -> None:
+        check_whole(checkpoint.get("state_dict", {}), order, filepath)
         if "://" in str(filepath) or storage_options is not None:
             self.checkpoint_io.save_checkpoint(
                 checkpoint, filepath, storage_options=storage_options
@@ -209,6 +250,21 @@ class PipelineCheckpoints(ParallelStrategyBase):
                 load_whole_model_layout(inner, saved, names, self._pipeline.name_of)
         self._resume = {k: v for k, v in (self._resume or {}).items() if k != "optimizers"}
 
+    # -- the end of a run -------------------------------------------------------------------
+
+    @override
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        if self.owns_stages:
+            self._ended_stage_state = self.stage_state()  # before the engine's runtime goes
+            self.gather_model_on_rank_zero()
+
+    @override
+    def teardown(self) -> None:
+        if self._pipeline is not None:  # its stages stay where they are until the next run
+            self._ended, self._pipeline = self._pipeline, None
+        super().teardown()
+
     def gather_model_on_rank_zero(self) -> None:
         """Give rank 0 every stage's weights, one stage at a time (collective). Rank 0 then
         holds the whole model (what the spawn/fork launchers hand back to the parent)."""
@@ -230,3 +286,22 @@ class PipelineCheckpoints(ParallelStrategyBase):
                 module.load_state_dict(whole, strict=False, assign=True)
         finally:
             remove_spill(spill)
+
+
+def check_whole(state_dict: Mapping[str, Any], order: list[str], filepath: StrPath) -> None:
+    """Raise :class:`PartialCheckpointError` unless ``state_dict`` holds every name in
+    ``order`` as a real (not ``meta``) tensor."""
+    missing = [
+        name
+        for name in order
+        if name not in state_dict or getattr(state_dict[name], "is_meta", False)
+    ]
+    if missing:
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        shown = ", ".join(missing[:5]) + more
+        raise PartialCheckpointError(
+            f"refusing to write {filepath}: it would miss {len(missing)} of the model's "
+            f"{len(order)} tensors ({shown}), held by other pipeline stages. Call "
+            "trainer.save_checkpoint on every rank (it gathers the stages; a call on rank 0 "
+            "alone cannot), in the processes that ran the pipeline"
+        )
