@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ import torch.nn.functional as F
 from helpers.distributed import run_distributed
 from helpers.environment import user_environment
 from helpers.trainers import QUIET
+from pytorch_lightning.callbacks import OnExceptionCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
@@ -61,14 +63,14 @@ def dataset() -> TensorDataset:
     )
 
 
-def one_device() -> dict[str, torch.Tensor]:
-    """``STEPS`` steps on one device in the order Lightning's injected sampler gives one
+def one_device(steps: int = STEPS) -> dict[str, torch.Tensor]:
+    """``steps`` steps on one device in the order Lightning's injected sampler gives one
     data-parallel replica (shuffled, seed 0)."""
     model = Net()
     optimizer = model.configure_optimizers()
     data = dataset()
     sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0)
-    for batch in DataLoader(data, batch_size=BATCH, sampler=sampler):
+    for batch in list(DataLoader(data, batch_size=BATCH, sampler=sampler))[:steps]:
         optimizer.zero_grad()
         model.training_step(batch, 0).backward()
         optimizer.step()
@@ -126,6 +128,69 @@ def test_a_partial_checkpoint_is_refused_and_not_written(tmp_path: Path) -> None
     with pytest.raises(PartialCheckpointError, match=r"miss 2 of the model's 6 tensors"):
         trainer.strategy.save_checkpoint(checkpoint, tmp_path / "partial.ckpt")
     assert not (tmp_path / "partial.ckpt").exists()
+
+
+class RaiseBeforeBatch(pl.Callback):
+    """Every rank raises before batch 2 (between steps: every stage can still be gathered)."""
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.global_step == 2:
+            raise RuntimeError("stopped before step 3")
+
+
+class RaisesInsideTheStep(Net):
+    """The last stage (rank 0, the only one that computes the loss) raises inside step 3,
+    while the other stage waits for its gradient."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        if self.trainer.global_rank == 0 and batch_idx == 2:
+            raise RuntimeError("failed inside step 3")
+        return loss
+
+
+def _fit_until_it_raises(rank: int, world: int, inside: bool, folder: str) -> str:
+    os.environ.update(LOCAL_RANK="0", NODE_RANK=str(rank))
+    strategy = GroPipeStrategy(
+        stages=2, micro_batches=2, partition=[2], timeout=timedelta(seconds=10)
+    )
+    saver = OnExceptionCheckpoint(dirpath=folder, filename="on_exception")
+    callbacks: list[pl.Callback] = [saver] if inside else [saver, RaiseBeforeBatch()]
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        num_nodes=world,
+        strategy=strategy,
+        max_steps=STEPS,
+        callbacks=callbacks,
+        **{**QUIET, "enable_checkpointing": True},
+    )
+    try:
+        trainer.fit(
+            RaisesInsideTheStep() if inside else Net(), DataLoader(dataset(), batch_size=BATCH)
+        )
+    except BaseException as error:  # what each rank raised is the result
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
+def test_a_checkpoint_on_exception_between_steps_holds_every_stage(tmp_path: Path) -> None:
+    raised = run_distributed(_fit_until_it_raises, 2, False, str(tmp_path), init_group=False)
+    assert all("stopped before step 3" in text for text in raised), raised
+    state = torch.load(tmp_path / "on_exception.ckpt", weights_only=False)["state_dict"]
+    Net().load_state_dict(state, strict=True)
+    for key, value in one_device(2).items():
+        torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6)
+
+
+def test_a_checkpoint_on_exception_inside_a_step_is_refused_not_partial(tmp_path: Path) -> None:
+    raised = run_distributed(
+        _fit_until_it_raises, 2, True, str(tmp_path), init_group=False, timeout=90
+    )
+    assert raised[0].startswith("PartialCheckpointError"), raised
+    assert "rank(s) [1] did not reach this checkpoint within 5 s" in raised[0]
+    assert raised[1] != "no error"  # the stuck stage fails too, it does not hang
+    assert not list(tmp_path.glob("*.ckpt"))
 
 
 @pytest.mark.slow
