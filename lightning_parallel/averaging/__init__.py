@@ -17,6 +17,7 @@ from lightning_parallel.averaging.outer_optimizer import (
     slowmo_outer_optimizer,
 )
 from lightning_parallel.averaging.periodic import PeriodicAverager
+from lightning_parallel.averaging.plateau import LossSpike, PlateauExit
 from lightning_parallel.averaging.policies import BUFFER_POLICIES, OPTIMIZER_STATE_POLICIES
 from lightning_parallel.averaging.reduction import FlatAllReduce, build_reduction
 from lightning_parallel.averaging.replicas import ReplicaAveraging
@@ -31,9 +32,11 @@ __all__ = [
     "ElasticAverager",
     "FlatAllReduce",
     "FlatLayout",
+    "LossSpike",
     "OneShotAverager",
     "OuterOptimizerAverager",
     "PeriodicAverager",
+    "PlateauExit",
     "ReplicaAveraging",
     "build_reduction",
     "diloco_outer_optimizer",

@@ -44,6 +44,11 @@ class Averager(ABC):
         """Start from ``start``, the parameters every replica holds now (``world_size`` workers)."""
         self.world_size = world_size
 
+    def stop(self) -> None:
+        """Forget the round state until the next :meth:`reset` (a synchronous window restarts
+        the averager, its momentum included, from the point the replicas agree on after it)."""
+        self.world_size = None
+
     @abstractmethod
     def update(self, local: Sequence[Tensor], mean: Sequence[Tensor]) -> list[Tensor]:
         """Return the parameters this worker restarts from after a round.

@@ -20,6 +20,8 @@ from lightning_parallel.averaging.fragments import (
     flat_delta,
     plan_fragments,
 )
+from lightning_parallel.averaging.loss_responses import LossResponses
+from lightning_parallel.averaging.plateau import LossSpike, PlateauExit
 from lightning_parallel.averaging.policies import (
     BUFFER_POLICIES,
     OPTIMIZER_STATE_POLICIES,
@@ -31,7 +33,6 @@ from lightning_parallel.averaging.policies import (
 )
 from lightning_parallel.averaging.quantized_gather import QuantizedAllGather
 from lightning_parallel.averaging.reduction import Reduction
-from lightning_parallel.averaging.replica_state import ReplicaState
 from lightning_parallel.averaging.rounds import (
     Agreement,
     Round,
@@ -60,7 +61,7 @@ class ParameterMean(Protocol):
     def __call__(self, local: Sequence[Tensor]) -> list[Tensor]: ...
 
 
-class ReplicaAveraging(ReplicaState):
+class ReplicaAveraging(LossResponses):
     """Average the replicas of one model across ranks on a schedule, with buffer and state policies.
 
     Each rank holds a replica ``x_i`` of ``module`` trained by its own ``optimizers``. At the
@@ -127,6 +128,22 @@ class ReplicaAveraging(ReplicaState):
             round.
         keep_agreement: keep each fragment's last agreed point even without streaming or
             quantization (for :meth:`prepare_evaluation` ``policy="global"``).
+        plateau: the rule that says when the loss leaves its initial plateau
+            (:class:`~lightning_parallel.averaging.plateau.PlateauExit`; ``None``: never). The
+            caller passes every local step's loss to :meth:`observe_loss` until it fires; at
+            the next step boundary every replica takes the mean of the replicas and of the
+            optimizer state, the next ``window_steps`` steps are synchronous (gradients
+            averaged, as in the warm-up), and the averagers restart afterwards from the point
+            the replicas then share (their outer or block momentum restarts from zero).
+        window_steps: the synchronous window's length (positive with ``plateau``).
+        spike: the rule that says when a local step's loss spikes
+            (:class:`~lightning_parallel.averaging.plateau.LossSpike`; ``None``: never). The
+            caller passes every local step's loss to :meth:`observe_loss`; after a spike every
+            replica restarts from the last point the replicas agreed on (the last round's
+            restart point, each fragment's agreed point when streaming), the optimizers' state
+            is cleared and the averagers restart there (outer or block momentum from zero); the
+            next round is ``period`` steps later. Algorithms whose replicas never agree
+            (EASGD) ignore it.
     """
 
     def __init__(
@@ -146,6 +163,9 @@ class ReplicaAveraging(ReplicaState):
         quantized: QuantizedAllGather | None = None,
         error_feedback: bool = False,
         keep_agreement: bool = False,
+        plateau: PlateauExit | None = None,
+        window_steps: int = 0,
+        spike: LossSpike | None = None,
     ) -> None:
         buffers = check_choice("buffers", buffers, BUFFER_POLICIES)
         if fragments != 1 and schedule.period is None:
@@ -183,6 +203,7 @@ class ReplicaAveraging(ReplicaState):
         # Set by a compressor (``HyloCompression``) to average the parameters' round deltas
         # itself; buffers and optimizer state still go through ``reduction``.
         self.parameter_mean: ParameterMean | None = None
+        self.watch_loss(plateau, window_steps, spike)
 
     # ------------------------------------------------------------------ schedule
 
@@ -225,14 +246,18 @@ class ReplicaAveraging(ReplicaState):
         """
         if self._swapped is not None:
             return  # evaluation in progress: no step has been taken since it started
+        self._respond_to_loss()
         steps = self.schedule.optimizer_steps
         while self._rounds and self._rounds[0].apply_at <= steps:
             self._finish_round(self._rounds.pop(0))
         if not self.averager.started and not self.schedule.in_warmup:
             self._start_averagers()
+            self._keep_safe_point()  # the replicas agree when local training starts
         due, self._due = self._due, []
         for fragment in due:
             self._start_round(fragment, self.sync_delay)
+        if due and self._in_consensus:
+            self._keep_safe_point()
 
     def _start_averagers(self) -> None:
         parameters = [parameter.detach() for parameter in trainable_parameters(self.module)]

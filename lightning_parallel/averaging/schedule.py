@@ -14,7 +14,9 @@ class AveragingSchedule:
     have passed since the last round (or since the warm-up ended): rounds fall on
     ``W + H, W + 2H, …`` unless an extra round (before a validation) moved the phase. Steps
     ``1 … W`` are the post-local warm-up, run as synchronous data parallelism (gradients
-    averaged every step). ``period=None`` never averages during training (one-shot averaging).
+    averaged every step); :meth:`open_synchronous_window` moves ``W`` later, for a window of
+    synchronous steps in the middle of training. ``period=None`` never averages during
+    training (one-shot averaging).
 
     The caller counts one step per training batch that stepped, however many optimizers
     stepped in it and however many batches were accumulated into it; the counter and the number
@@ -33,6 +35,7 @@ class AveragingSchedule:
         self.period = None if period is None else int(period)
         self.warmup_steps = int(warmup_steps)
         self.optimizer_steps = 0
+        self.synchronous_steps = 0  # warm-up and synchronous-window steps taken
         self.rounds = 0
         self.last_round_step = 0
         # streaming rounds count their fragments' phases from here: the end of the warm-up,
@@ -65,8 +68,17 @@ class AveragingSchedule:
         self.rounds += 1
         self.last_round_step = self.optimizer_steps
 
+    def open_synchronous_window(self, steps: int) -> None:
+        """Make the next ``steps`` optimizer steps synchronous, as the warm-up's; local training
+        (and the rounds' phase) starts again after them."""
+        if isinstance(steps, bool) or int(steps) != steps or steps < 1:
+            raise ValueError(f"a synchronous window needs a positive step count, got {steps!r}")
+        self.warmup_steps = self.optimizer_steps + int(steps)
+
     def count_step(self) -> bool:
         """Count one optimizer step; return whether it ends a round."""
+        if self.in_warmup:
+            self.synchronous_steps += 1
         self.optimizer_steps += 1
         return self.ends_round(self.optimizer_steps)
 
@@ -74,6 +86,8 @@ class AveragingSchedule:
         """Counters to save in the checkpoint."""
         return {
             "optimizer_steps": self.optimizer_steps,
+            "warmup_steps": self.warmup_steps,
+            "synchronous_steps": self.synchronous_steps,
             "rounds": self.rounds,
             "last_round_step": self.last_round_step,
             "phase_origin": self.phase_origin,
@@ -82,6 +96,11 @@ class AveragingSchedule:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the counters of :meth:`state_dict`."""
         self.optimizer_steps = int(state["optimizer_steps"])
+        # a synchronous window moves the warm-up's end; older checkpoints keep the argument's
+        self.warmup_steps = int(state.get("warmup_steps", self.warmup_steps))
+        self.synchronous_steps = int(
+            state.get("synchronous_steps", min(self.optimizer_steps, self.warmup_steps))
+        )
         self.rounds = int(state["rounds"])
         self.last_round_step = int(state.get("last_round_step", 0))
         self.phase_origin = int(state.get("phase_origin", 0))

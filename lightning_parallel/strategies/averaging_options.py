@@ -97,6 +97,36 @@ def streaming_options(
     )
 
 
+def plateau_options(synchronous_window: object, plateau_drop: object) -> tuple[int, float]:
+    """The synchronous window's length (0: none, the former behaviour) and the plateau rule's
+    relative drop, typed and checked."""
+    window = optional_int("synchronous_window", synchronous_window)
+    window = 0 if window is None else window
+    if window < 0:
+        raise ValueError(
+            f"synchronous_window must be a non-negative number of optimizer steps (0: none), "
+            f"got {window}"
+        )
+    drop = optional_float("plateau_drop", plateau_drop)
+    if drop is None or not 0.0 < drop < 1.0:
+        raise ValueError(
+            f"plateau_drop must be in (0, 1) (the smoothed loss's relative fall that ends the "
+            f"plateau), got {drop}"
+        )
+    return window, drop
+
+
+def spike_options(spike_ratio: object) -> float:
+    """The loss-spike rule's ratio, typed and checked."""
+    ratio = optional_float("spike_ratio", spike_ratio)
+    if ratio is None or not ratio > 1.0:
+        raise ValueError(
+            f"spike_ratio must be above 1 (times the smoothed loss that counts as a spike), "
+            f"got {ratio}; rollback_on_spike=False turns the rule off"
+        )
+    return ratio
+
+
 def resume_mismatch(
     restored: dict[str, Any], averaging: ReplicaAveraging, algorithm: str
 ) -> str | None:

@@ -11,9 +11,12 @@ What it guarantees, where Lightning's ``model_averaging_period`` and torch's
 
 1. the period counts training steps: one per batch whose optimizers stepped, however many
    optimizers stepped in it and however many batches were accumulated into it;
-2. the first ``warmup_steps`` steps are synchronous data parallelism (gradients averaged
-   before every optimizer step, exactly as DDP), then no gradient is communicated (the model
-   is never wrapped in ``DistributedDataParallel``);
+2. the first ``warmup_steps`` steps, and the ``synchronous_window`` steps from the one at
+   which the training loss leaves its initial plateau, are synchronous data parallelism
+   (gradients averaged before every optimizer step, exactly as DDP); otherwise no gradient is
+   communicated (the model is never wrapped in ``DistributedDataParallel``); a local step whose
+   mean loss spikes rolls every replica back to their last agreed point
+   (``rollback_on_spike``);
 3. validation runs on averaged models (a round runs first, or the mean of the replicas is
    swapped in and out, or each fragment's last agreed point: ``before_validation``), every
    checkpoint's ``state_dict`` is the mean of the replicas (the replicas are not touched:
@@ -33,7 +36,8 @@ What it guarantees, where Lightning's ``model_averaging_period`` and torch's
    bf16, int8 or int4 (Streaming DiLoCo, Douillard et al., arXiv 2501.18512);
 6. each round sets the gauges ``rounds``, ``divergence`` (``‖x_i − x̄‖`` before averaging),
    ``bytes_per_round``, ``peak_round_bytes`` and ``round_wait_s`` in the process ledger, which
-   ``CommStats`` logs;
+   ``CommStats`` logs (and ``loss_spikes``, ``rollbacks``, ``synchronous_window_at`` when the
+   loss rules act);
 7. a lost replica (killed, frozen, cut off; not rank 0) ends the run on every rank with an
    error naming it (``worker_loss="stop"``, the default), or is dropped
    (``worker_loss="continue"``): every collective is agreed by the survivors through the
@@ -66,6 +70,7 @@ from typing import Any, Literal
 import pytorch_lightning as pl
 import torch.distributed as dist
 from pytorch_lightning.trainer.states import TrainerFn
+from torch import Tensor
 from torch.distributed.constants import default_pg_timeout as DEFAULT_TIMEOUT
 from torch.nn import Module
 from torch.optim import Optimizer
@@ -82,6 +87,7 @@ from lightning_parallel.averaging.outer_optimizer import (
     DILOCO_OUTER_MOMENTUM,
     OuterOptimizerFactory,
 )
+from lightning_parallel.averaging.plateau import LossSpike, PlateauExit
 from lightning_parallel.averaging.policies import (
     BUFFER_POLICIES,
     OPTIMIZER_STATE_POLICIES,
@@ -104,6 +110,8 @@ from lightning_parallel.strategies.averaging_checkpoints import AveragingCheckpo
 from lightning_parallel.strategies.averaging_options import (
     VALIDATION_POLICIES,
     averager_factory,
+    plateau_options,
+    spike_options,
     streaming_options,
 )
 from lightning_parallel.strategies.worker_loss import heartbeat_seconds, resolve_worker_loss
@@ -135,6 +143,28 @@ class ModelAveragingStrategy(AveragingCheckpoints):
             :class:`~lightning_parallel.averaging.Averager` instance.
         period: optimizer steps per round ``H`` (ignored by ``one_shot``).
         warmup_steps: synchronous steps ``W`` before local training (post-local SGD).
+        synchronous_window: ``S``, synchronous steps run from the step at which the training
+            loss leaves its initial plateau (default 0: none). Each local step's loss is
+            averaged over the ranks (one scalar); when its smoothed value has fallen
+            ``plateau_drop`` below the plateau's level
+            (:class:`~lightning_parallel.averaging.plateau.PlateauExit`), every replica takes
+            the mean model and optimizer state, the next ``S`` steps average gradients as DDP
+            does, and the algorithm restarts afterwards from there (outer or block momentum
+            from zero). Costs ``S`` DDP steps' bytes; on ``vgg_mini`` it did not prevent the
+            spike that ``rollback_on_spike`` answers (docs/model_averaging.md, "Defaults").
+        plateau_drop: the smoothed loss's relative fall below the plateau's level that ends
+            it (default 0.05; larger: later).
+        rollback_on_spike: after a local step whose loss, averaged over the ranks, exceeds
+            ``spike_ratio`` times its smoothed value
+            (:class:`~lightning_parallel.averaging.plateau.LossSpike`), restart every replica
+            from the last point they agreed on, with the optimizers' state cleared and the
+            algorithm restarted there (default ``True``; ``False``: the former behaviour). Why:
+            where the loss leaves a plateau training sits on the edge of stability, and one
+            replica's spike (loss 1.6 to 7.0 on ``vgg_mini``, seed 3) can leave the average on a
+            dead, constant-output model for the rest of the run. One scalar per step, no other
+            communication, one copy of the model kept; EASGD (whose replicas never agree)
+            ignores it.
+        spike_ratio: the spike rule's ratio (default 2.0; larger: fewer roll-backs).
         buffers: ``"average"`` (default; BatchNorm statistics averaged with the parameters) or
             ``"local"`` (each replica keeps its own; checkpoints hold rank 0's).
         optimizer_state: ``"keep"`` (default; each replica keeps its momentum or moments),
@@ -218,6 +248,10 @@ class ModelAveragingStrategy(AveragingCheckpoints):
         algorithm: str | Averager = "periodic",
         period: int | None = 8,
         warmup_steps: int = 0,
+        synchronous_window: int = 0,
+        plateau_drop: float = 0.05,
+        rollback_on_spike: bool = True,
+        spike_ratio: float = 2.0,
         buffers: Literal["average", "local"] = "average",
         optimizer_state: Literal["keep", "average", "reset"] = "keep",
         reduce: Literal["flat", "tree"] = "flat",
@@ -272,6 +306,11 @@ class ModelAveragingStrategy(AveragingCheckpoints):
             )
         self.warmup_steps = optional_int("warmup_steps", warmup_steps) or 0
         AveragingSchedule(self.period, self.warmup_steps)  # validates both
+        self.synchronous_window, self.plateau_drop = plateau_options(
+            synchronous_window, plateau_drop
+        )
+        self.rollback_on_spike = bool(optional_bool("rollback_on_spike", rollback_on_spike))
+        self.spike_ratio = spike_options(spike_ratio)
         # Not ``self.reduce`` / ``self.optimizer_state``: those are Strategy methods.
         self.buffer_policy = check_choice("buffers", buffers, BUFFER_POLICIES)
         self.optimizer_state_policy = check_choice(
@@ -308,6 +347,7 @@ class ModelAveragingStrategy(AveragingCheckpoints):
         self.averaging: ReplicaAveraging | None = None
         self._stepped_this_batch = False
         self._synchronous_batch = False
+        self._observed_batch = False
         self._restored: dict[str, Any] | None = None
         self._checkpoint_path: StrPath | None = None
 
@@ -370,6 +410,9 @@ class ModelAveragingStrategy(AveragingCheckpoints):
             quantized=None if quantizer is None else QuantizedAllGather(quantizer, survivors),
             error_feedback=self.outer_error_feedback,
             keep_agreement=self.before_validation == "global",
+            plateau=None if not self.synchronous_window else PlateauExit(self.plateau_drop),
+            window_steps=self.synchronous_window,
+            spike=LossSpike(self.spike_ratio) if self.rollback_on_spike else None,
         )
 
     @override
@@ -398,13 +441,17 @@ class ModelAveragingStrategy(AveragingCheckpoints):
     ) -> Any:
         averaging = self.averaging
         if averaging is not None:
+            observe = False
             if not self._stepped_this_batch:
                 # One count per training step, whichever optimizer steps first in it.
                 self._stepped_this_batch = True
                 self._synchronous_batch = averaging.in_warmup
+                observe = averaging.observes_loss
                 averaging.count_optimizer_step()
             if self._synchronous_batch and averaging.world_size > 1:
                 closure = _closure_averaging_gradients(averaging, optimizer, closure)
+            elif observe:
+                closure = _closure_observing_loss(averaging, closure)
         return super().optimizer_step(optimizer, closure, model, **kwargs)
 
     @override
@@ -438,6 +485,21 @@ def _closure_averaging_gradients(
         return result
 
     return closure_with_mean_gradients
+
+
+def _closure_observing_loss(
+    averaging: ReplicaAveraging, closure: Callable[[], Any]
+) -> Callable[[], Any]:
+    """``closure`` followed by feeding its loss to the plateau rule (collective: a closure that
+    returns no loss, such as manual optimization's empty one, feeds NaN, which it ignores)."""
+
+    def closure_observing_loss() -> Any:
+        result = closure()
+        loss = result if isinstance(result, Tensor) and result.numel() == 1 else float("nan")
+        averaging.observe_loss(loss)
+        return result
+
+    return closure_observing_loss
 
 
 # ---------------------------------------------------------------------- arguments

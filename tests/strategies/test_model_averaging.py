@@ -118,6 +118,8 @@ class Recorder(Callback):
             "gauges": dict(process_ledger().gauges),
             "steps_per_batch": self.steps_per_batch,
             "gradient_reductions": self.gradient_reductions,
+            "synchronous_steps": averaging.schedule.synchronous_steps,
+            "rollbacks": averaging.rollbacks,
             "validation_checks": getattr(pl_module, "validation_checks", []),
         }
         path = self.directory / f"rank{trainer.global_rank}.json"
@@ -285,6 +287,60 @@ def test_resume_mid_round_equals_uninterrupted(
     assert torch.equal(flat(resumed), flat(uninterrupted))
 
 
+class SpikyRegression(Regression):
+    """:class:`Regression` whose loss (and gradient) is 50 times larger at step 6 on every rank,
+    or a plain one with ``spike_at=None``."""
+
+    def __init__(self, momentum: float = 0.9, spike_at: int | None = 6) -> None:
+        super().__init__(momentum)
+        self.spike_at = spike_at
+
+    def training_step(self, batch: list[Tensor], batch_idx: int) -> Tensor | None:
+        loss = super().training_step(batch, batch_idx)
+        assert loss is not None
+        return loss * 50 if self.global_step == self.spike_at else loss
+
+
+def test_the_plateau_window_runs_its_synchronous_steps_then_switches(tmp_path: Path) -> None:
+    # the regression's loss falls from the first steps: the rule fires within a few of them
+    strategy = averaging(period=2, synchronous_window=3, plateau_drop=0.02, rollback_on_spike=False)
+    fit(SpikyRegression(spike_at=None), strategy, tmp_path, max_epochs=4)
+    for record in records(tmp_path):
+        assert record["synchronous_steps"] == 3
+        assert record["gradient_reductions"] == 3
+        window_at = record["gauges"]["synchronous_window_at"]
+        assert 1 <= window_at < 10
+        # rounds every 2 steps before the step that fired (whose due round the window
+        # replaces) and every 2 steps after the window, up to step 20
+        window_at = int(window_at)
+        assert record["rounds"] == (window_at - 1) // 2 + (20 - window_at - 3) // 2
+
+
+def test_a_loss_spike_rolls_back_and_the_old_settings_never_do(tmp_path: Path) -> None:
+    old = {"synchronous_window": 0, "rollback_on_spike": False}
+    for name in ("new", "old", "plain-new", "plain-old"):
+        (tmp_path / name).mkdir()
+    for name, options in [("new", {}), ("old", old)]:
+        fit(SpikyRegression(), averaging(period=4, **options), tmp_path / name, max_epochs=2)
+    new, old_records = records(tmp_path / "new"), records(tmp_path / "old")
+    assert [record["rollbacks"] for record in new] == [1, 1]
+    assert [record["rollbacks"] for record in old_records] == [0, 0]
+    assert "rollbacks" not in old_records[0]["gauges"]
+    # without a spike the rule only watches: the run is bit for bit the former one
+    for name, options in [("plain-new", {}), ("plain-old", old)]:
+        fit(
+            SpikyRegression(spike_at=None),
+            averaging(period=4, **options),
+            tmp_path / name,
+            max_epochs=2,
+        )
+    assert (
+        records(tmp_path / "plain-new")[0]["replica"]
+        == (records(tmp_path / "plain-old")[0]["replica"])
+    )
+    assert records(tmp_path / "plain-new")[0]["rollbacks"] == 0
+
+
 def test_checkpoint_holds_the_mean_and_loads_anywhere(tmp_path: Path) -> None:
     checkpoint = ModelCheckpoint(dirpath=tmp_path, save_top_k=-1, filename="mid")
     fit(Regression(momentum=0.9), averaging(period=4), callbacks=[checkpoint], max_epochs=1)
@@ -293,6 +349,8 @@ def test_checkpoint_holds_the_mean_and_loads_anywhere(tmp_path: Path) -> None:
     state = saved[CHECKPOINT_KEY]
     assert state["shared"]["schedule"] == {
         "optimizer_steps": 5,
+        "warmup_steps": 0,
+        "synchronous_steps": 0,
         "rounds": 1,
         "last_round_step": 4,
         "phase_origin": 0,
@@ -432,6 +490,10 @@ def test_registered_names_and_bench_style_construction() -> None:
             "Adam",
         ),
         ({"warmup_steps": -1}, "warmup_steps"),
+        ({"synchronous_window": -1}, "synchronous_window"),
+        ({"plateau_drop": 1.5}, "plateau_drop"),
+        ({"spike_ratio": 1.0}, "spike_ratio must be above 1"),
+        ({"rollback_on_spike": "yes"}, "rollback_on_spike"),
         ({"overlap": "maybe"}, "overlap must be true or false"),
         ({"period": 4, "fragments": 5}, "fragments must be between 1 and period"),
         ({"period": 4, "sync_delay": 5}, "must not exceed the period"),

@@ -1,0 +1,200 @@
+"""What model averaging does about the training loss: a synchronous window, a roll-back.
+
+:class:`LossResponses` is the part of :class:`~lightning_parallel.averaging.ReplicaAveraging`
+that watches the replicas' mean training loss (one scalar all-reduced per local step) with the
+rules of :mod:`~lightning_parallel.averaging.plateau` and answers them: a window of synchronous
+steps where the loss leaves its initial plateau (:class:`PlateauExit`), and a roll-back of every
+replica to the last agreed point after a loss spike (:class:`LossSpike`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_parallel.averaging.plateau import LossSpike, PlateauExit
+from lightning_parallel.averaging.policies import optimizer_state_tensors, reset_optimizer_state
+from lightning_parallel.averaging.reduction import FlatAllReduce, counted
+from lightning_parallel.averaging.replica_state import ReplicaState
+from lightning_parallel.averaging.rounds import Round
+from lightning_parallel.comm.ledger import CommLedger
+
+__all__: list[str] = []
+
+
+class LossResponses(ReplicaState):
+    """Watch the mean training loss and answer its plateau exit and its spikes.
+
+    The round runner (:class:`~lightning_parallel.averaging.ReplicaAveraging`) provides
+    :meth:`_finish_round` and :meth:`_start_averagers`, and calls :meth:`watch_loss` once.
+    """
+
+    ledger: CommLedger
+
+    def watch_loss(
+        self, plateau: PlateauExit | None, window_steps: int, spike: LossSpike | None
+    ) -> None:
+        """Set the rules (``None``: not watched) and the synchronous window's length."""
+        if plateau is not None and (
+            isinstance(window_steps, bool) or int(window_steps) != window_steps or window_steps < 1
+        ):
+            raise ValueError(
+                f"window_steps must be a positive integer with a plateau rule, got {window_steps!r}"
+            )
+        self.plateau = plateau
+        self.window_steps = int(window_steps)
+        self._window_due = False
+        self.spike = spike
+        self._rollback_due = False
+        self.rollbacks = 0
+        # the last point every replica agreed on (unfragmented, exact rounds; streaming and
+        # quantized rounds keep each fragment's in ``agreements``)
+        self._safe_point: list[Tensor] | None = None
+
+    def _finish_round(self, current: Round) -> None:
+        raise NotImplementedError  # ReplicaAveraging's
+
+    def _start_averagers(self) -> None:
+        raise NotImplementedError  # ReplicaAveraging's
+
+    def _respond_to_loss(self) -> None:
+        """At a step boundary: roll back after a spike, open the window after the plateau."""
+        if self._rollback_due:
+            self._roll_back()
+        if self._window_due:
+            self._open_window()
+
+    @property
+    def observes_loss(self) -> bool:
+        """Whether the caller must pass this step's loss to :meth:`observe_loss`: a local step
+        (rounds during training, several replicas) with a plateau rule that has not fired or a
+        spike rule whose algorithm restarts the replicas in consensus."""
+        if (
+            self.schedule.in_warmup
+            or not self.averager.averages_during_training
+            or self.world_size == 1
+        ):
+            return False
+        watching_plateau = self.plateau is not None and not self.plateau.fired
+        watching_spikes = self.spike is not None and self.averager.restarts_in_consensus
+        return watching_plateau or watching_spikes
+
+    def observe_loss(self, loss: Tensor | float) -> None:
+        """Feed the loss rules this step's loss, averaged over the ranks (collective: every
+        rank calls it at the same step, while :attr:`observes_loss`)."""
+        if not self.observes_loss:
+            return
+        value = torch.as_tensor(loss, dtype=torch.float64).detach().reshape(1).clone()
+        if not isinstance(self.reduction, FlatAllReduce):
+            # a tree reduction's helper thread must not interleave; a flat one's rounds in
+            # flight keep running behind this scalar (gloo matches collectives by order)
+            self._wait_in_flight()
+        ranks = counted(self.reduction.all_reduce([value]), self.world_size)
+        mean = float(value.item()) / ranks
+        if self.plateau is not None and self.plateau.observe(mean):
+            self._window_due = True
+            self.ledger.set_gauge("synchronous_window_at", self.schedule.optimizer_steps)
+        if (
+            self.spike is not None
+            and self.averager.restarts_in_consensus
+            and self.averager.started
+            and self.spike.observe(mean)
+        ):
+            self._rollback_due = True
+            self.ledger.set_gauge("loss_spikes", self.spike.spikes)
+
+    def _roll_back(self) -> None:
+        """Every replica restarts from the last agreed point, optimizer state and averagers
+        restarted; the next round is ``period`` steps away."""
+        self._rollback_due = False
+        while self._rounds:
+            self._finish_round(self._rounds.pop(0))
+        self._due = []
+        if self._keep_agreement and all(agreement is not None for agreement in self.agreements):
+            self._put_agreement()
+        elif self._safe_point is not None:
+            with torch.no_grad():
+                for tensor, saved in zip(self._model_tensors(), self._safe_point, strict=True):
+                    tensor.copy_(saved)
+        else:
+            return
+        reset_optimizer_state(self.optimizers)
+        self._start_averagers()
+        self.schedule.last_round_step = self.schedule.optimizer_steps
+        self.schedule.phase_origin = self.schedule.optimizer_steps
+        self._in_consensus = True
+        self.rollbacks += 1
+        self.ledger.set_gauge("rollbacks", self.rollbacks)
+
+    def _keep_safe_point(self) -> None:
+        """Remember the live model as the point to roll back to (replicas in consensus)."""
+        if self.spike is None or self._keep_agreement or len(self.fragments) > 1:
+            return
+        tensors = self._model_tensors()
+        if self._safe_point is None:
+            self._safe_point = [tensor.detach().clone() for tensor in tensors]
+            return
+        with torch.no_grad():
+            for saved, tensor in zip(self._safe_point, tensors, strict=True):
+                saved.copy_(tensor)
+
+    def _open_window(self) -> None:
+        """Every replica takes the mean model and optimizer state; the next ``window_steps``
+        steps are synchronous; the averagers restart when they end."""
+        self._window_due = False
+        while self._rounds:
+            self._finish_round(self._rounds.pop(0))
+        self._due = []
+        tensors = self._model_tensors() + optimizer_state_tensors(self.optimizers)
+        with torch.no_grad():
+            for tensor, mean in zip(tensors, self._mean(tensors), strict=True):
+                tensor.copy_(mean)
+        self._in_consensus = True
+        self.schedule.open_synchronous_window(self.window_steps)
+        for averager in self.averagers:
+            averager.stop()
+
+    # ------------------------------------------------------------------ checkpoint
+
+    def state_dict(self) -> dict[str, Any]:
+        """:meth:`ReplicaState.state_dict` with the plateau rule's state."""
+        state = super().state_dict()
+        if self.plateau is not None:
+            state["plateau"] = {**self.plateau.state_dict(), "window_due": self._window_due}
+        if self.spike is not None:
+            state["spike"] = {
+                **self.spike.state_dict(),
+                "rollback_due": self._rollback_due,
+                "rollbacks": self.rollbacks,
+            }
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
+        super().load_state_dict(state)
+        saved = state.get("plateau")
+        if self.plateau is not None and saved is not None:
+            self.plateau.load_state_dict(saved)
+            self._window_due = bool(saved.get("window_due", False))
+        saved = state.get("spike")
+        if self.spike is not None and saved is not None:
+            self.spike.load_state_dict(saved)
+            self._rollback_due = bool(saved.get("rollback_due", False))
+            self.rollbacks = int(saved.get("rollbacks", 0))
+
+    def local_state_dict(self) -> dict[str, Any]:
+        """:meth:`ReplicaState.local_state_dict` with the point a loss spike rolls back to."""
+        state = super().local_state_dict()
+        if self._safe_point is not None:
+            state["safe_point"] = [tensor.clone() for tensor in self._safe_point]
+        return state
+
+    def load_local_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`local_state_dict`."""
+        super().load_local_state_dict(state)
+        saved = state.get("safe_point")
+        if saved is not None:
+            device = self._device()
+            self._safe_point = [tensor.to(device) for tensor in saved]

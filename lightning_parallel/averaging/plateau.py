@@ -1,0 +1,152 @@
+"""Rules on the replicas' mean training loss: leaving the initial plateau, and a spike."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+__all__: list[str] = []
+
+
+class PlateauExit:
+    """Watch the replicas' mean training loss and say once when it has left its first plateau.
+
+    Rule (``drop`` ``δ``, ``smoothing`` ``s``, one observation ``ℓ_t`` per optimizer step, the
+    loss averaged over the ranks, so that every rank takes the same decision):
+
+    1. the smoothed loss is ``L_t = s·L_{t−1} + (1 − s)·ℓ_t`` (``L_1 = ℓ_1``);
+    2. the plateau's level is the highest smoothed loss seen so far, ``P_t = max_{u≤t} L_u``;
+    3. the loss has left the plateau at the first step where ``L_t ≤ (1 − δ)·P_t``; the rule
+       then fires once and never again.
+
+    Why: a network that starts on a plateau (the bundled BatchNorm-free ``vgg_mini`` sits near
+    chance for up to three epochs) leaves it into a stretch of steep, unstable descent whose
+    steps are several times larger than on the plateau. Local steps on the plateau track
+    synchronous data parallelism closely, but one replica alone in that stretch can overshoot
+    (seed 3: a replica's loss went to 7.0 where DDP's mean-gradient step went to 2.9) and the
+    averaged model lands on a dead, constant-output point (loss ``ln 10``) that it does not
+    leave in 5 epochs. :class:`~lightning_parallel.averaging.ReplicaAveraging` runs a short
+    synchronous window from the step this rule fires (docs/model_averaging.md, "Defaults").
+
+    Tuning: ``δ`` must exceed the smoothed loss's noise on the plateau (a few tenths of a
+    percent for 2 ranks of 32 samples on digits) and stay below the descent's first fall
+    (about 10 % there); a loss that falls from the first step fires the rule within a few
+    steps, which then acts as post-local SGD's warm-up.
+
+    Args:
+        drop: ``δ`` in ``(0, 1)``: the relative fall of the smoothed loss below the plateau's
+            level that counts as leaving it (larger: fires later).
+        smoothing: ``s`` in ``[0, 1)``: the exponential smoothing of the loss (larger: less
+            noise, later).
+    """
+
+    def __init__(self, drop: float = 0.05, smoothing: float = 0.7) -> None:
+        if isinstance(drop, bool) or not 0.0 < float(drop) < 1.0:
+            raise ValueError(f"drop must be in (0, 1) (a relative fall of the loss), got {drop!r}")
+        if isinstance(smoothing, bool) or not 0.0 <= float(smoothing) < 1.0:
+            raise ValueError(f"smoothing must be in [0, 1), got {smoothing!r}")
+        self.drop = float(drop)
+        self.smoothing = float(smoothing)
+        self.smoothed: float | None = None
+        self.plateau: float | None = None
+        self.observed = 0
+        self.fired_at: int | None = None  # the observation (1-based) at which the rule fired
+
+    @property
+    def fired(self) -> bool:
+        """Whether the loss has left its plateau (the rule fires once)."""
+        return self.fired_at is not None
+
+    def observe(self, loss: float) -> bool:
+        """Take one step's mean loss; return ``True`` only at the step the plateau is left.
+
+        A loss that is not finite is ignored (it says nothing about the plateau's level).
+        """
+        if self.fired or not math.isfinite(loss):
+            return False
+        self.observed += 1
+        if self.smoothed is None:
+            self.smoothed = float(loss)
+        else:
+            self.smoothed = self.smoothing * self.smoothed + (1.0 - self.smoothing) * float(loss)
+        self.plateau = self.smoothed if self.plateau is None else max(self.plateau, self.smoothed)
+        if self.smoothed <= (1.0 - self.drop) * self.plateau:
+            self.fired_at = self.observed
+            return True
+        return False
+
+    def state_dict(self) -> dict[str, Any]:
+        """The rule's state (identical on every rank) for the checkpoint."""
+        return {
+            "smoothed": self.smoothed,
+            "plateau": self.plateau,
+            "observed": self.observed,
+            "fired_at": self.fired_at,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
+        self.smoothed = state["smoothed"]
+        self.plateau = state["plateau"]
+        self.observed = int(state["observed"])
+        self.fired_at = state["fired_at"]
+
+
+class LossSpike:
+    """Say when one step's mean training loss jumps far above its recent, smoothed level.
+
+    Rule (``ratio`` ``r``, ``smoothing`` ``s``, one observation ``ℓ_t`` per optimizer step, the
+    loss averaged over the ranks, so that every rank takes the same decision):
+
+    1. ``ℓ_t`` is a spike when ``ℓ_t > r·L_{t−1}``, where ``L`` is the smoothed loss of the
+       steps that were not spikes, ``L_t = s·L_{t−1} + (1 − s)·ℓ_t`` (``L_1 = ℓ_1``);
+    2. a spike leaves ``L`` as it was (the level it is measured against stays the healthy one).
+
+    Why: where the loss leaves a plateau (the bundled ``vgg_mini`` on digits) training is on
+    the edge of stability; with momentum 0.9 one bad step can take a replica's loss from 1.6 to
+    6 or 7 and its weights onto a dead, constant-output point (loss ``ln 10``) where the
+    average of the replicas stays for epochs (seed 3: DDP's own spike reached 2.9 and it
+    recovered, the averaged runs' did not). :class:`~lightning_parallel.averaging.ReplicaAveraging`
+    answers a spike by restarting every replica from the last point they agreed on, with the
+    inner optimizer's state and the outer (block) momentum restarted from zero.
+
+    Args:
+        ratio: ``r > 1``: how many times the smoothed loss a step's loss must exceed (larger:
+            fewer restarts; DDP's healthy steps on ``vgg_mini`` stayed under 1.9).
+        smoothing: ``s`` in ``[0, 1)`` (larger: a steadier level, slower to follow a falling
+            loss).
+    """
+
+    def __init__(self, ratio: float = 2.0, smoothing: float = 0.7) -> None:
+        if isinstance(ratio, bool) or not float(ratio) > 1.0:
+            raise ValueError(f"ratio must be above 1 (times the smoothed loss), got {ratio!r}")
+        if isinstance(smoothing, bool) or not 0.0 <= float(smoothing) < 1.0:
+            raise ValueError(f"smoothing must be in [0, 1), got {smoothing!r}")
+        self.ratio = float(ratio)
+        self.smoothing = float(smoothing)
+        self.smoothed: float | None = None
+        self.spikes = 0
+
+    def observe(self, loss: float) -> bool:
+        """Take one step's mean loss; return whether it is a spike (an infinite loss is one,
+        once a level exists; NaN, no loss reported, is ignored)."""
+        if math.isnan(loss):
+            return False
+        if self.smoothed is None:
+            if math.isfinite(loss):
+                self.smoothed = float(loss)
+            return False
+        if not math.isfinite(loss) or loss > self.ratio * self.smoothed:
+            self.spikes += 1
+            return True
+        self.smoothed = self.smoothing * self.smoothed + (1.0 - self.smoothing) * float(loss)
+        return False
+
+    def state_dict(self) -> dict[str, Any]:
+        """The rule's state (identical on every rank) for the checkpoint."""
+        return {"smoothed": self.smoothed, "spikes": self.spikes}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
+        self.smoothed = state["smoothed"]
+        self.spikes = int(state["spikes"])

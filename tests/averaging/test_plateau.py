@@ -1,0 +1,344 @@
+"""The plateau rule on synthetic loss sequences (one process), and its synchronous window over
+2 gloo processes: the window's steps are counted, the replicas agree through it, and a resume
+continues exactly."""
+
+from __future__ import annotations
+
+import io
+import math
+
+import pytest
+import torch
+from helpers.distributed import run_distributed
+from torch import Tensor, nn
+
+from lightning_parallel.averaging import (
+    AveragingSchedule,
+    LossSpike,
+    OuterOptimizerAverager,
+    PeriodicAverager,
+    PlateauExit,
+    ReplicaAveraging,
+    build_reduction,
+    diloco_outer_optimizer,
+)
+from lightning_parallel.comm.ledger import CommLedger
+
+# ---------------------------------------------------------------------------- the rule
+
+
+def _fires_at(rule: PlateauExit, losses: list[float]) -> int | None:
+    for step, loss in enumerate(losses, start=1):
+        if rule.observe(loss):
+            return step
+    return None
+
+
+def test_a_flat_noisy_plateau_never_fires() -> None:
+    generator = torch.Generator().manual_seed(0)
+    noise = (torch.rand(500, generator=generator) - 0.5) * 0.02  # ±0.01, as 2 ranks of 32
+    losses = [2.3026 + float(value) for value in noise]
+    assert _fires_at(PlateauExit(), losses) is None
+
+
+def test_it_fires_once_when_the_smoothed_loss_falls_by_drop() -> None:
+    plateau = [2.30] * 30
+    descent = [2.30 - 0.02 * step for step in range(1, 40)]  # 2.28, 2.26, ...
+    rule = PlateauExit(drop=0.05, smoothing=0.7)
+    fired = _fires_at(rule, plateau + descent)
+    assert fired is not None and fired > 30
+    # the first step whose smoothed loss L_t = 0.7 L_{t-1} + 0.3 l_t is at most 0.95 · 2.30
+    smoothed, expected = 2.30, None
+    for step, loss in enumerate(descent, start=31):
+        smoothed = 0.7 * smoothed + 0.3 * loss
+        if smoothed <= 0.95 * 2.30:
+            expected = step
+            break
+    assert fired == expected
+    assert rule.fired_at == fired
+    assert not rule.observe(0.1)  # once only
+
+
+def test_the_plateau_level_is_the_highest_smoothed_loss() -> None:
+    # a loss that rises first (as a network's does in its first steps) is measured from its top
+    rising = [2.0, 2.2, 2.4, 2.4, 2.4, 2.4]
+    rule = PlateauExit(drop=0.1, smoothing=0.0)
+    assert _fires_at(rule, [*rising, 2.17]) is None  # 2.17 > 0.9 · 2.4 = 2.16
+    assert rule.observe(2.15)
+
+
+def test_non_finite_losses_are_ignored() -> None:
+    rule = PlateauExit(drop=0.05, smoothing=0.0)
+    assert not rule.observe(2.3)
+    assert not rule.observe(math.nan)
+    assert not rule.observe(math.inf)
+    assert rule.observed == 1
+    assert rule.observe(2.0)
+
+
+def test_its_state_round_trips() -> None:
+    losses = [2.3, 2.31, 2.29, 2.25, 2.2, 2.1, 2.0]
+    whole = PlateauExit(drop=0.05)
+    fired = _fires_at(whole, losses)
+    first = PlateauExit(drop=0.05)
+    assert _fires_at(first, losses[:4]) is None
+    second = PlateauExit(drop=0.05)
+    second.load_state_dict(first.state_dict())
+    rest = _fires_at(second, losses[4:])
+    assert rest is not None and fired == rest + 4 and second.state_dict() == whole.state_dict()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [({"drop": 0.0}, "drop"), ({"drop": 1.0}, "drop"), ({"smoothing": 1.0}, "smoothing")],
+)
+def test_bad_arguments_fail_at_construction(kwargs: dict[str, float], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        PlateauExit(**kwargs)
+
+
+def test_a_window_needs_a_positive_length() -> None:
+    schedule = AveragingSchedule(4)
+    with pytest.raises(ValueError, match="positive"):
+        schedule.open_synchronous_window(0)
+    schedule.count_step()
+    schedule.open_synchronous_window(3)
+    assert schedule.in_warmup
+    assert [schedule.count_step() for _ in range(3 + 4)] == [False] * 6 + [True]
+    assert schedule.synchronous_steps == 3
+
+
+# ---------------------------------------------------------------------------- the window
+
+
+def _losses(rank: int, step: int) -> float:
+    """A plateau at 2.3 for 6 steps, then a fall: the rule (drop 0.05, smoothing 0) fires at
+    step 8's loss (2.3 · 0.95 = 2.185 > 2.18)."""
+    if step == 15:
+        return 10.0  # a spike, for the runs with a spike rule
+    return 2.3 + 0.001 * rank if step < 6 else 2.3 - 0.06 * (step - 5)
+
+
+def _batch(rank: int, step: int) -> tuple[Tensor, Tensor]:
+    generator = torch.Generator().manual_seed(1000 * rank + step)
+    return torch.randn(8, 4, generator=generator), torch.randn(8, 2, generator=generator)
+
+
+def _setup(
+    make: object, window: int | None, seed: int = 0, spike: bool = False
+) -> tuple[nn.Module, torch.optim.Optimizer, ReplicaAveraging]:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    engine = ReplicaAveraging(
+        model,
+        [optimizer],
+        make(),  # type: ignore[operator]
+        AveragingSchedule(3),
+        build_reduction("flat"),
+        ledger=CommLedger(),
+        plateau=None if window is None else PlateauExit(drop=0.05, smoothing=0.0),
+        window_steps=window or 0,
+        spike=LossSpike(ratio=2.0) if spike else None,
+    )
+    return model, optimizer, engine
+
+
+def _train(
+    engine: ReplicaAveraging,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    rank: int,
+    steps: range,
+    trace: list[tuple[int, bool, bool]] | None = None,
+) -> None:
+    for step in steps:
+        engine.synchronize()
+        synchronous = engine.in_warmup
+        inputs, targets = _batch(rank, step)
+        optimizer.zero_grad()
+        nn.functional.mse_loss(model(inputs), targets).backward()
+        if synchronous:
+            engine.average_gradients()
+        else:
+            engine.observe_loss(_losses(rank, step))
+        optimizer.step()
+        engine.count_optimizer_step()
+        if trace is not None:
+            flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+            gathered = [torch.zeros_like(flat) for _ in range(2)]
+            torch.distributed.all_gather(gathered, flat)
+            trace.append((step, synchronous, torch.equal(gathered[0], gathered[1])))
+
+
+def test_the_window_runs_its_synchronous_steps_then_local_training_resumes() -> None:
+    def run(rank: int, world: int) -> dict[str, object]:
+        model, optimizer, engine = _setup(PeriodicAverager, window=4)
+        engine.broadcast_replicas()
+        trace: list[tuple[int, bool, bool]] = []
+        _train(engine, model, optimizer, rank, range(20), trace)
+        synchronous = [step for step, sync, _ in trace if sync]
+        return {
+            "synchronous": synchronous,
+            "agree_in_window": all(same for _, sync, same in trace if sync),
+            "differ_after": not trace[-1][2] or engine.schedule.local_steps == 0,
+            "counted": engine.schedule.synchronous_steps,
+            "fired_at": engine.plateau.fired_at if engine.plateau else None,
+            "rounds": engine.rounds,
+        }
+
+    results = run_distributed(run, 2)
+    for result in results:
+        # steps 0..7 are local (rounds after steps 2 and 5); the rule fires at step 7's loss
+        # (0-based; its 8th observation), so steps 8..11 are synchronous, then rounds every 3
+        assert result["fired_at"] == 8
+        assert result["synchronous"] == [8, 9, 10, 11]
+        assert result["counted"] == 4
+        assert result["agree_in_window"]
+        assert result["rounds"] == 2 + 2  # 2 before the window, after steps 14 and 17
+    assert results[0]["synchronous"] == results[1]["synchronous"]
+
+
+def test_window_zero_reproduces_the_former_behaviour() -> None:
+    def run(rank: int, world: int) -> bool:
+        model, optimizer, engine = _setup(PeriodicAverager, window=None)
+        engine.broadcast_replicas()
+        _train(engine, model, optimizer, rank, range(12))
+        engine.finish()
+        before = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        torch.manual_seed(0)
+        plain = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
+        plain_optimizer = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
+        engine = ReplicaAveraging(
+            plain,
+            [plain_optimizer],
+            PeriodicAverager(),
+            AveragingSchedule(3),
+            build_reduction("flat"),
+            ledger=CommLedger(),
+        )
+        engine.broadcast_replicas()
+        _train(engine, plain, plain_optimizer, rank, range(12))
+        engine.finish()
+        after = torch.cat([p.detach().reshape(-1) for p in plain.parameters()])
+        return torch.equal(before, after) and engine.schedule.synchronous_steps == 0
+
+    assert all(run_distributed(run, 2))
+
+
+@pytest.mark.parametrize("stop", [7, 8, 10, 13, 16])
+def test_a_resume_before_during_or_after_the_window_continues_exactly(stop: int) -> None:
+    # the window opens at step 8 and ends after step 11; step 15's loss spikes, so step 16
+    # starts from the round of step 14 (stop 16: the checkpoint follows the roll-back)
+    configurations = {
+        "periodic": PeriodicAverager,
+        "diloco": lambda: OuterOptimizerAverager(diloco_outer_optimizer()),
+    }
+
+    def run(rank: int, world: int) -> dict[str, bool]:
+        results = {}
+        for name, make in configurations.items():
+            model, optimizer, engine = _setup(make, window=4, spike=True)
+            engine.broadcast_replicas()
+            _train(engine, model, optimizer, rank, range(18))
+            engine.finish()
+            uninterrupted = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+            model, optimizer, engine = _setup(make, window=4, spike=True)
+            engine.broadcast_replicas()
+            _train(engine, model, optimizer, rank, range(stop))
+            engine.synchronize()  # what a checkpoint does first
+            buffer = io.BytesIO()
+            torch.save({"shared": engine.state_dict(), "local": engine.local_state_dict()}, buffer)
+            buffer.seek(0)
+            saved = torch.load(buffer, weights_only=False)
+            model, optimizer, engine = _setup(make, window=4, seed=123, spike=True)
+            engine.load_state_dict(saved["shared"])
+            engine.load_local_state_dict(saved["local"])
+            _train(engine, model, optimizer, rank, range(stop, 18))
+            engine.finish()
+            resumed = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+            results[name] = torch.equal(resumed, uninterrupted)
+            results[f"{name}-counted"] = engine.schedule.synchronous_steps == 4
+            results[f"{name}-rolled-back-once"] = engine.rollbacks == 1
+        return results
+
+    for results in run_distributed(run, 2):
+        failed = [name for name, ok in results.items() if not ok]
+        assert not failed, failed
+
+
+# ---------------------------------------------------------------------------- loss spikes
+
+
+def test_a_spike_is_measured_against_the_healthy_level() -> None:
+    rule = LossSpike(ratio=2.0, smoothing=0.5)
+    healthy = [2.3, 2.2, 2.0, 1.8, 1.6]
+    assert not any(rule.observe(loss) for loss in healthy)
+    level = rule.smoothed
+    assert level is not None
+    assert not rule.observe(2.0 * level - 1e-6)  # DDP's own bumps (x1.8 on vgg_mini) pass
+    level = rule.smoothed
+    assert level is not None
+    assert rule.observe(2.0 * level + 1e-6)
+    assert rule.smoothed == level  # a spike does not move the level
+    assert rule.observe(math.inf)
+    assert not rule.observe(math.nan)  # no loss reported
+    assert rule.spikes == 2
+
+
+def test_the_spike_rule_refuses_a_ratio_of_one_or_less() -> None:
+    with pytest.raises(ValueError, match="ratio"):
+        LossSpike(ratio=1.0)
+    with pytest.raises(ValueError, match="smoothing"):
+        LossSpike(smoothing=-0.1)
+
+
+def test_a_spike_rolls_every_replica_back_to_the_last_agreed_point() -> None:
+    def spiking(rank: int, step: int) -> float:
+        return 10.0 if step == 7 else 2.0
+
+    def run(rank: int, world: int) -> dict[str, object]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        engine = ReplicaAveraging(
+            model,
+            [optimizer],
+            OuterOptimizerAverager(diloco_outer_optimizer()),
+            AveragingSchedule(3),
+            build_reduction("flat"),
+            ledger=CommLedger(),
+            spike=LossSpike(ratio=2.0),
+        )
+        engine.broadcast_replicas()
+        agreed = None
+        for step in range(9):
+            engine.synchronize()
+            if step == 6:  # the round after step 5 was applied at this boundary
+                agreed = torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
+            inputs, targets = _batch(rank, step)
+            optimizer.zero_grad()
+            nn.functional.mse_loss(model(inputs), targets).backward()
+            engine.observe_loss(spiking(rank, step))
+            optimizer.step()
+            engine.count_optimizer_step()
+        # step 7's loss spiked: step 8 ran from the agreed point with fresh momentum, and the
+        # next round is 3 steps after the roll-back, not at step 8
+        engine.synchronize()
+        assert agreed is not None
+        rolled = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        return {
+            "rollbacks": engine.rollbacks,
+            "rounds": engine.rounds,
+            "moved_from_agreed": float((rolled - agreed).norm()),
+            "last_round_step": engine.schedule.last_round_step,
+            "rolled": rolled,
+        }
+
+    results = run_distributed(run, 2)
+    for result in results:
+        assert result["rollbacks"] == 1
+        assert result["rounds"] == 2  # after steps 2 and 5 only
+        assert result["last_round_step"] == 8
+        assert 0 < result["moved_from_agreed"] < 0.5  # one step with fresh momentum
+    assert not torch.equal(results[0]["rolled"], results[1]["rolled"])  # step 8 was local
