@@ -73,15 +73,18 @@ def _parser() -> argparse.ArgumentParser:
         "--model",
         default="vgg_mini",
         help="vgg_mini | convnet | mlp | vgg16 | resnet18 | resnet50 | gpt | recommender, "
-        "with options NAME:k=v,...",
+        "or your LightningModule's class path pkg.module.ClassName (importable by every "
+        "process: PYTHONPATH or this directory); with init arguments NAME:k=v,... or "
+        "NAME:{JSON object}",
     )
     parser.add_argument(
         "--data",
         default=None,
-        help="digits | synthetic | corpus | interactions | cifar10:path=DIR, with options "
-        "NAME:k=v,... (default: the model's kind: digits for vgg_mini, convnet and mlp, "
-        "synthetic 32x32x3 images for vgg16 and the ResNets, corpus for gpt, interactions "
-        "for recommender)",
+        help="digits | synthetic | corpus | interactions | cifar10:path=DIR, or your "
+        "LightningDataModule's class path, with options as --model's (default: the bundled "
+        "model's kind: digits for vgg_mini, convnet and mlp, synthetic 32x32x3 images for "
+        "vgg16 and the ResNets, corpus for gpt, interactions for recommender; a class-path "
+        "model needs --data)",
     )
     length = parser.add_mutually_exclusive_group()
     length.add_argument("--max-steps", type=int, default=None, help="default 200")
@@ -118,22 +121,34 @@ def main(argv: list[str]) -> int:
         parser.error("--plot draws with matplotlib: pip install 'lightning-parallel[bench]'")
     from rich.console import Console
 
+    from lightning_parallel.bench.modules import is_class_path
     from lightning_parallel.bench.report import plot, print_table, write_json
     from lightning_parallel.bench.runner import BenchConfig, run_benchmark
     from lightning_parallel.bench.specs import available, expand_specs, parse_spec
-    from lightning_parallel.demo import default_data
+    from lightning_parallel.demo import DATAMODULES, default_data
 
     console = Console(width=None if sys.stdout.isatty() else 200)
     if args.list:
         for name, description in available().items():
             console.print(f"{name:34s} {description}", markup=False, highlight=False)
         return 0
+    try:
+        model = parse_spec(args.model)
+        if args.data is not None:
+            parse_spec(args.data)
+    except ValueError as error:
+        parser.error(str(error))
+    if args.data is None and is_class_path(model.name):
+        parser.error(
+            f"--model {model.name} is your own model: give its data too, --data "
+            f"pkg.module.DataModuleName (or a bundled data set: {', '.join(DATAMODULES)})"
+        )
     config = BenchConfig(
         hosts=args.hosts,
         bandwidth=args.bandwidth,
         latency=args.latency,
         model=args.model,
-        data=args.data or default_data(parse_spec(args.model).name),
+        data=args.data or default_data(model.name),
         max_steps=args.max_steps if args.max_steps or args.epochs else 200,
         epochs=args.epochs,
         batch_size=args.batch_size,

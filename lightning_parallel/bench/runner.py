@@ -236,7 +236,10 @@ def summarize(
         "time_to_target_s": reached[0] if reached else None,
         "wall_s": max(r["train_seconds"] for r in records),
         "peak_rss_mb": max(r["peak_rss_mb"] for r in records),
-        "val_history": [[v["wall_s"], v["step"], v["val_acc"], v["val_loss"]] for v in validations],
+        "val_history": [
+            [v["wall_s"], v["step"], _finite(v["val_acc"]), _finite(v["val_loss"])]
+            for v in validations
+        ],
         "extra": {
             "compression_ratio": compression,
             "bubble_fraction": gauges.get("bubble_fraction"),
@@ -380,14 +383,19 @@ def run_benchmark(
     """Run every SPEC in turn; the BENCH.md object (``config`` and ``runs``).
 
     Raises:
-        ValueError: an inconsistent configuration (before anything runs).
+        ValueError: an inconsistent configuration, or a model or data class path that cannot
+            be imported, is not a Lightning class or rejects its arguments (before anything
+            runs).
         ClusterError: the simulated cluster cannot run here (not root, no iproute2, or no
             memory cgroup controller when ``memory_per_host`` is set).
     """
     import pytorch_lightning
     import torch
 
+    from lightning_parallel.bench.modules import check
+
     config.validate()
+    check(config.model, config.data, config.batch_size, config.seed)
     if config.accelerator == "cuda" and not torch.cuda.is_available():
         raise ValueError("--accelerator cuda: this machine has no CUDA device; use cpu")
     if not specs:

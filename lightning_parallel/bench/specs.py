@@ -12,13 +12,15 @@ NAME is looked up, in order:
 Options the ``Trainer`` takes (:data:`TRAINER_OPTIONS`, e.g.
 ``parameter_server:accumulate_grad_batches=4``) go to the ``Trainer`` of that run, the others to
 the strategy. Option values are parsed as int, float, bool (``true``/``false``), ``none``, or
-kept as text: ``ddp_powersgd:rank=2,start_powerSGD_iter=4``.
+kept as text: ``ddp_powersgd:rank=2,start_powerSGD_iter=4``; or the options are one JSON object,
+for values of other types: ``NAME:{"sizes": [64, 32]}``.
 """
 
 from __future__ import annotations
 
 import importlib
 import inspect
+import json
 import pkgutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -72,17 +74,23 @@ def parse_value(text: str) -> Any:
 
 
 def parse_spec(text: str) -> Spec:
-    """Parse ``NAME`` or ``NAME:key=value,key=value``.
+    """Parse ``NAME``, ``NAME:key=value,key=value`` or ``NAME:{JSON object}``.
+
+    A NAME is lowercased unless it is a class path (``package.module.ClassName``, as
+    ``--model`` and ``--data`` take).
 
     Raises:
-        ValueError: empty name, an option without ``=``, or an option given twice.
+        ValueError: empty name, an option without ``=``, an option given twice, or options
+            that start with ``{`` but are not a JSON object with identifier keys.
     """
     name, _, rest = text.strip().partition(":")
-    name = name.strip().lower()
+    name = name.strip()
+    name = name if "." in name else name.lower()
     if not name:
         raise ValueError(f"spec {text!r} has no strategy name; write NAME or NAME:key=value,...")
-    options: dict[str, Any] = {}
-    for item in filter(None, (part.strip() for part in rest.split(","))):
+    as_json = rest.strip().startswith("{")
+    options = _json_options(rest, text) if as_json else {}
+    for item in [] if as_json else filter(None, (part.strip() for part in rest.split(","))):
         key, sep, value = item.partition("=")
         key = key.strip()
         if not sep or not key.isidentifier():
@@ -92,10 +100,27 @@ def parse_spec(text: str) -> Spec:
         if key in options:
             raise ValueError(f"option {key!r} is given twice in spec {text!r}")
         options[key] = parse_value(value)
-        if key == "timeout" and isinstance(options[key], (int, float)):
-            # the strategies take a timedelta, as Lightning's do: converted here, at the edge
-            options[key] = timedelta(seconds=float(options[key]))
+    if "." not in name and isinstance(options.get("timeout"), (int, float)):
+        # the strategies take a timedelta, as Lightning's do: converted here, at the edge (a
+        # class path is a user's model or data, whose arguments are passed as given)
+        options["timeout"] = timedelta(seconds=float(options["timeout"]))
     return Spec(text.strip(), name, options)
+
+
+def _json_options(rest: str, text: str) -> dict[str, Any]:
+    """The options of ``NAME:{...}``: one JSON object whose keys are argument names."""
+    try:
+        options = json.loads(rest)
+    except json.JSONDecodeError as error:
+        raise ValueError(
+            f"the options of {text!r} start with '{{' but are not JSON ({error}); e.g. "
+            f'\'NAME:{{"sizes": [64, 32], "lr": 0.1}}\''
+        ) from error
+    if not isinstance(options, dict) or not all(
+        isinstance(key, str) and key.isidentifier() for key in options
+    ):
+        raise ValueError(f"the options of {text!r} must be one JSON object of named arguments")
+    return options
 
 
 def register_baseline(name: str, factory: BaselineFactory, description: str = "") -> None:

@@ -1,9 +1,12 @@
-"""One benchmark process: train the demo model under one SPEC and write what it measured.
+"""One benchmark process: train the model under one SPEC and write what it measured.
 
 Run on every process of the simulated cluster by the runner::
 
     python -m lightning_parallel.bench.worker --spec ddp --model vgg_mini --data digits \\
         --max-steps 60 --output DIR
+
+``--model`` and ``--data`` are bundled names or class paths, with options
+(:mod:`lightning_parallel.bench.modules` builds them).
 
 It reads the cluster's environment (``NODE_RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
 ``LOCAL_WORLD_SIZE``, ``LP_CLUSTER_HOSTS``, ``LP_CLUSTER_INTERFACE``, ``LP_STRAGGLER``), uses
@@ -38,6 +41,7 @@ import resource
 import sys
 import time
 import traceback
+from collections.abc import Mapping, Sized
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -162,8 +166,7 @@ def _make_probe(
             # a batch the strategy did not train (the parameter server's epoch tail: its grant
             # went to a faster worker) keeps its time but adds no samples
             if _skipped_batches(trainer) == self._skipped_before:
-                first = batch[0] if isinstance(batch, (list, tuple)) else batch
-                self.samples += len(first)
+                self.samples += _samples(batch)
 
         def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
             self._validation_start = time.perf_counter()
@@ -197,6 +200,41 @@ def _make_probe(
             self.footprint.update(held.as_dict())
 
     return Probe()
+
+
+def _first_tensor(batch: Any) -> Any:
+    import torch
+
+    if isinstance(batch, torch.Tensor):
+        return batch
+    items = batch.values() if isinstance(batch, Mapping) else batch
+    for item in items if isinstance(batch, (Mapping, list, tuple)) else ():
+        found = _first_tensor(item)
+        if found is not None:
+            return found
+    return None
+
+
+def _samples(batch: Any) -> int:
+    """The samples in ``batch``: the length of its first tensor, looked for depth first through
+    tuples, lists and mappings (``(x, y)``, ``{"input_ids": ..., "labels": ...}``); without a
+    tensor, the length of its first element."""
+    tensor = _first_tensor(batch)
+    if tensor is not None:
+        return len(tensor) if tensor.dim() else 1
+    first = batch[0] if isinstance(batch, (list, tuple)) and batch else batch
+    return len(first) if isinstance(first, Sized) else 1
+
+
+def _validates(model: Any, datamodule: Any) -> bool:
+    """Whether a validation can run: the model has a ``validation_step`` and the data (or the
+    model) a ``val_dataloader``. A user's module without them is trained and left unvalidated,
+    its ``val_acc`` null."""
+    from pytorch_lightning.utilities.model_helpers import is_overridden
+
+    return is_overridden("validation_step", model) and (
+        is_overridden("val_dataloader", datamodule) or is_overridden("val_dataloader", model)
+    )
 
 
 # errors that mean "this strategy does not take this model or these settings": raised at
@@ -254,12 +292,13 @@ def train(args: argparse.Namespace, progress: _Progress | None = None) -> dict[s
     import torch
     from pytorch_lightning.strategies import DDPStrategy
 
+    from lightning_parallel.bench.modules import build
     from lightning_parallel.bench.specs import build_strategy, parse_spec, split_trainer_options
     from lightning_parallel.callbacks.comm_stats import CommStats
     from lightning_parallel.callbacks.straggler import Straggler
     from lightning_parallel.comm.accounting import ring_allreduce_bytes
     from lightning_parallel.comm.ledger import process_ledger
-    from lightning_parallel.demo import build_datamodule, build_model, default_data
+    from lightning_parallel.demo import default_data
 
     torch.set_num_threads(1)  # hosts share the machine's cores: one thread per process
     num_nodes = int(os.environ.get("LP_CLUSTER_HOSTS", os.environ.get("WORLD_SIZE", "1")))
@@ -271,12 +310,8 @@ def train(args: argparse.Namespace, progress: _Progress | None = None) -> dict[s
         devices, spec_text = _cuda_placement(spec_text, os.environ.get("LP_CLUSTER_INTERFACE"))
 
     pl.seed_everything(args.seed, workers=True, verbose=False)
-    model_spec = parse_spec(args.model)
-    data = parse_spec(args.data or default_data(model_spec.name))
-    datamodule = build_datamodule(
-        data.name, **{"batch_size": args.batch_size, "seed": args.seed, **data.options}
-    )
-    model = build_model(model_spec.name, data=datamodule, **model_spec.options)
+    data = args.data or default_data(parse_spec(args.model).name)
+    model, datamodule = build(args.model, data, args.batch_size, args.seed)
     progress.strategy = True
     spec, trainer_options = split_trainer_options(parse_spec(spec_text))
     strategy = build_strategy(spec)
@@ -302,7 +337,7 @@ def train(args: argparse.Namespace, progress: _Progress | None = None) -> dict[s
     )
     trainer.fit(model, datamodule=datamodule)
     last_validated = probe.validations[-1]["step"] if probe.validations else -1.0
-    if last_validated != float(trainer.global_step):
+    if last_validated != float(trainer.global_step) and _validates(model, datamodule):
         trainer.validate(model, datamodule=datamodule, verbose=False)
 
     gradient_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
