@@ -24,6 +24,7 @@ from lightning_parallel.comm.ledger import CommLedger, process_ledger
 from lightning_parallel.compat import public as _public
 from lightning_parallel.compat import registration as _registration
 from lightning_parallel.compat.registration import register_strategy, registered_names
+from lightning_parallel.files import PartialCheckpointError
 from lightning_parallel.pipeline import HybridCosineLinearLR
 
 if TYPE_CHECKING:  # what a type checker reads: the lightning.pytorch build
@@ -67,6 +68,7 @@ __all__ = [
     "HyloStrategy",
     "ModelAveragingStrategy",
     "ParameterServerStrategy",
+    "PartialCheckpointError",
     "PowerSGDDDPStrategy",
     "SpecTrainStrategy",
     "Straggler",

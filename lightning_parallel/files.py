@@ -15,7 +15,12 @@ from typing import Any
 
 import torch
 
-__all__: list[str] = []
+__all__ = ["PartialCheckpointError"]
+
+
+class PartialCheckpointError(RuntimeError):
+    """A checkpoint would miss part of the model (a pipeline stage, a replica held by a rank
+    that is gone); nothing was written. The message names what is missing and the fix."""
 
 
 def save_atomically(obj: Any, path: str | os.PathLike[str]) -> None:

@@ -41,6 +41,9 @@ class AveragingCheckpoints(SurvivorCollectives):
     def lightning_module_state_dict(self) -> dict[str, Any]:
         if self.averaging is None:
             return super().lightning_module_state_dict()
+        if self.survivors is None:  # (the survivors agree on every collective already)
+            # the checkpoint's first collective: after a failure, only if every rank is here
+            self.check_every_rank_saves("the replicas")
         self.averaging.synchronize()
         return self.averaging.averaged_state_dict()
 

@@ -17,7 +17,13 @@ package shares, written once:
    else are recognised the same way for every strategy.
 4. **world-size checks** (:meth:`check_world_size`): run when the ``Trainer`` is built, before
    any process starts, so ``GroPipeStrategy(stages=3)`` on 2 devices fails in ``Trainer(...)``.
-5. **a failure names the lost peer**: every rank keeps a heartbeat in the rendezvous store and
+5. **a checkpoint asked for after the run raised** (Lightning's ``OnExceptionCheckpoint``)
+   that needs every rank (a gather, an average) is written only if every rank asks for it:
+   :meth:`ParallelStrategyBase.check_every_rank_saves` asks through the rendezvous store
+   first and raises :class:`~lightning_parallel.files.PartialCheckpointError` after
+   :data:`FAILED_RUN_WAIT` (or half the group's timeout) instead of waiting in a collective
+   for a peer that is lost or stuck inside the step that failed;
+6. **a failure names the lost peer**: every rank keeps a heartbeat in the rendezvous store and
    records what it is doing (:mod:`lightning_parallel.comm.liveness`); when a collective fails
    (a peer killed: at once; frozen or cut off: after ``timeout``), :meth:`on_exception` finds
    the ranks whose heartbeat stopped, logs one line naming them, their last activity and this
@@ -47,6 +53,7 @@ from torch.distributed.constants import default_pg_timeout
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
+from lightning_parallel.comm.arrival import ranks_missing
 from lightning_parallel.comm.devices import to_group
 from lightning_parallel.comm.groups import set_group_timeout
 from lightning_parallel.comm.liveness import (
@@ -64,8 +71,10 @@ from lightning_parallel.compat.private import (
     set_launcher,
     start_method,
 )
+from lightning_parallel.compat.types import StrPath
+from lightning_parallel.files import PartialCheckpointError
 
-__all__ = ["ParallelStrategyBase", "as_timeout"]
+__all__ = ["FAILED_RUN_WAIT", "ParallelStrategyBase", "as_timeout"]
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +111,10 @@ def as_timeout(value: Any) -> timedelta:
     if value.total_seconds() <= 0:
         raise ValueError(f"timeout must be positive, got {value!r}")
     return value
+
+
+#: how long a checkpoint asked for after the run raised waits for every rank to ask too
+FAILED_RUN_WAIT = timedelta(seconds=30)
 
 
 class ParallelStrategyBase(DDPStrategy):
@@ -150,6 +163,8 @@ class ParallelStrategyBase(DDPStrategy):
         self.returns_model_to_parent = False
         #: the run raised (on_exception): teardown waits for nothing a lost peer may block
         self.failed = False
+        #: checkpoints asked for after the run raised (each arrival has its own name)
+        self._failed_saves = 0
         self._restore_sigterm: Callable[[], None] | None = None
         self._attached: list[tuple[list[Callback], Callback]] = []
 
@@ -298,6 +313,32 @@ class ParallelStrategyBase(DDPStrategy):
         if restore is not None:
             restore()
         super().teardown()
+
+    def check_every_rank_saves(self, what: str, filepath: StrPath | None = None) -> None:
+        """Before a checkpoint that needs every rank: if the run raised, raise
+        :class:`~lightning_parallel.files.PartialCheckpointError` (nothing written) unless
+        every rank asks for it within :data:`FAILED_RUN_WAIT` or half the group's timeout.
+        ``what`` names what the others hold (for the message). Nothing to check while the run
+        is healthy."""
+        trainer = attached_trainer(self.lightning_module)
+        raised = self.failed or (trainer is not None and trainer.interrupted)  # on_exception
+        store = default_store()
+        if not raised or self.world_size < 2 or store is None:
+            return
+        self._failed_saves += 1
+        # a peer stuck in the failed step stays there for the group's timeout: one that has
+        # not come within half of it is stuck, not slow
+        wait = min(FAILED_RUN_WAIT, (self.collective_timeout or 2 * FAILED_RUN_WAIT) / 2)
+        point = f"lightning_parallel/failed-run-checkpoint/{self._failed_saves}"
+        missing = ranks_missing(store, point, self.global_rank, self.world_size, wait)
+        if missing:
+            raise PartialCheckpointError(
+                f"refusing to write {filepath or 'the checkpoint'}: the run raised, and "
+                f"rank(s) {missing} did not reach this checkpoint within "
+                f"{wait.total_seconds():.0f} s (lost, or still inside the step that failed), "
+                f"so {what} cannot be gathered; nothing was written. The last checkpoint "
+                "written during fit is whole"
+            )
 
     # -- what each rank is doing (the activity a failure reports) ------------------------------
 

@@ -21,12 +21,10 @@
    during ``fit`` does, from the run's pipeline (:attr:`~PipelineCheckpoints._ended`) and the
    engine state taken at the end of ``fit``;
 5. **never partial**: a checkpoint whose ``state_dict`` would miss a tensor of the model is
-   refused with :class:`PartialCheckpointError` before anything is written; so is one asked
-   for after the run raised (``OnExceptionCheckpoint``) when some rank does not reach it within
-   :data:`FAILED_RUN_WAIT` or half the group's timeout, whichever is shorter (lost, or still
-   blocked inside the step that failed, until that timeout): the ranks
-   first check through the rendezvous store that every one of them is there
-   (:func:`~lightning_parallel.comm.arrival.ranks_missing`), then gather.
+   refused with :class:`~lightning_parallel.files.PartialCheckpointError` before
+   anything is written; so is one asked for after the run raised (``OnExceptionCheckpoint``)
+   when some rank does not reach it in time (lost, or still blocked inside the step that
+   failed): :meth:`~lightning_parallel.strategies.base.ParallelStrategyBase.check_every_rank_saves`.
 
 An engine keeps its own per-stage state (a weight predictor) with :meth:`stage_state` and
 :meth:`load_stage_state`.
@@ -36,7 +34,6 @@ from __future__ import annotations
 
 import tempfile
 from collections.abc import Mapping
-from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -44,11 +41,9 @@ import torch
 import torch.distributed as dist
 from typing_extensions import override
 
-from lightning_parallel.comm.arrival import ranks_missing
-from lightning_parallel.comm.liveness import default_store
-from lightning_parallel.compat.private import attached_trainer, unwrapped_optimizer
+from lightning_parallel.compat.private import unwrapped_optimizer
 from lightning_parallel.compat.types import StrPath
-from lightning_parallel.files import save_atomically
+from lightning_parallel.files import PartialCheckpointError, save_atomically
 from lightning_parallel.pipeline.assembly import Pipeline
 from lightning_parallel.pipeline.checkpoint_layout import (
     load_whole_model_layout,
@@ -62,14 +57,6 @@ from lightning_parallel.pipeline.topology import PipelineTopology
 from lightning_parallel.strategies.base import ParallelStrategyBase
 
 __all__: list[str] = []
-
-
-#: how long a checkpoint asked for after the run raised waits for every rank to ask too
-FAILED_RUN_WAIT = timedelta(seconds=30)
-
-
-class PartialCheckpointError(RuntimeError):
-    """A pipeline checkpoint would miss some of the model's tensors; nothing was written."""
 
 
 class PipelineCheckpoints(ParallelStrategyBase):
@@ -86,8 +73,6 @@ class PipelineCheckpoints(ParallelStrategyBase):
     _ended: Pipeline | None = None
     #: :meth:`stage_state` at the end of the last ``fit`` (an engine drops its runtime then)
     _ended_stage_state: dict[str, Any] | None = None
-    #: checkpoints asked for after the run raised (each arrival has its own name)
-    _failed_saves: int = 0
     #: the placement, once the processes exist
     _topology: PipelineTopology | None = None
     #: a gloo group over the world for checkpoint bytes
@@ -159,9 +144,7 @@ class PipelineCheckpoints(ParallelStrategyBase):
             if self.is_global_zero:
                 self._write(checkpoint, filepath, storage_options, order)
             return
-        trainer = attached_trainer(self.lightning_module)
-        if self.failed or (trainer is not None and trainer.interrupted):  # on_exception's
-            self._check_every_rank_is_here(filepath)
+        self.check_every_rank_saves("their stages", filepath)
         pieces = stage_pieces(checkpoint, self._stage_state_to_save())
         spill = None
         if self.is_global_zero:
@@ -180,26 +163,6 @@ class PipelineCheckpoints(ParallelStrategyBase):
         finally:
             remove_spill(spill)
         self.barrier("pipeline checkpoint written")
-
-    def _check_every_rank_is_here(self, filepath: StrPath) -> None:
-        """After the run raised: refuse (on every rank that waited) unless every rank asked
-        for this checkpoint within :data:`FAILED_RUN_WAIT`."""
-        store = default_store()
-        if store is None:
-            return
-        self._failed_saves += 1
-        # a peer stuck in the failed step stays there for the group's timeout: one that has
-        # not come within half of it is stuck, not slow
-        wait = min(FAILED_RUN_WAIT, (self.collective_timeout or 2 * FAILED_RUN_WAIT) / 2)
-        point = f"lightning_parallel/failed-run-checkpoint/{self._failed_saves}"
-        missing = ranks_missing(store, point, self.global_rank, self.world_size, wait)
-        if missing:
-            raise PartialCheckpointError(
-                f"refusing to write {filepath}: the run raised, and rank(s) {missing} did not "
-                f"reach this checkpoint within {wait.total_seconds():.0f} s (lost, or still "
-                "inside the step that failed), so their stages cannot be gathered; nothing "
-                "was written. The last checkpoint written during fit is whole"
-            )
 
     def _stage_state_to_save(self) -> dict[str, Any]:
         state = self.stage_state()

@@ -28,8 +28,8 @@ from pytorch_lightning.callbacks import OnExceptionCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+from lightning_parallel import PartialCheckpointError
 from lightning_parallel.strategies.gropipe import GroPipeStrategy
-from lightning_parallel.strategies.pipeline_checkpoints import PartialCheckpointError
 from lightning_parallel.strategies.spectrain import SpecTrainStrategy
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "whole_checkpoints.py"
