@@ -113,6 +113,9 @@ def _make_probe(
             self.footprint: dict[str, int | None] = dict.fromkeys(
                 ("param_bytes", "grad_bytes", "optimizer_bytes")
             )
+            # the training's peak: what a strategy does after the last step (a pipeline
+            # gathering every stage on rank 0, the final validation) is not training
+            self.train_peak_rss_mb: float | None = None
             self._batch_start = 0.0
             self._previous_end: float | None = None
             self._validation_start = 0.0
@@ -198,6 +201,7 @@ def _make_probe(
             # what the rank holds now, before the strategy's teardown frees or moves it
             held = training_footprint(pl_module.parameters(), trainer.optimizers)
             self.footprint.update(held.as_dict())
+            self.train_peak_rss_mb = _peak_rss_mb()
 
     return Probe()
 
@@ -371,7 +375,7 @@ def train(args: argparse.Namespace, progress: _Progress | None = None) -> dict[s
         "hook_calls": getattr(trainer.strategy, "hook_calls", None),
         "straggler_delay_s": straggler.delayed_seconds if straggler else 0.0,
         "torch_threads": torch.get_num_threads(),
-        "peak_rss_mb": _peak_rss_mb(),
+        "peak_rss_mb": probe.train_peak_rss_mb or _peak_rss_mb(),
         **probe.footprint,
     }
 
