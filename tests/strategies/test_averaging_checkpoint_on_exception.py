@@ -10,6 +10,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import pytest
 import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
@@ -67,6 +68,7 @@ def test_a_failure_on_every_rank_still_saves_the_average(tmp_path: Path) -> None
     assert set(state) == {"layer.weight", "layer.bias"}
 
 
+@pytest.mark.slow  # waits out the failed run's wait
 def test_one_rank_failing_inside_a_step_is_refused_within_half_the_timeout(
     tmp_path: Path,
 ) -> None:
