@@ -155,7 +155,7 @@ class ModelAveragingStrategy(AveragingCheckpoints):
         plateau_drop: the smoothed loss's relative fall below the plateau's level that ends
             it (default 0.05; larger: later).
         rollback_on_spike: after a local step whose loss, averaged over the ranks, exceeds
-            ``spike_ratio`` times its smoothed value
+            ``spike_ratio`` times its smoothed value and the highest smoothed value so far
             (:class:`~lightning_parallel.averaging.plateau.LossSpike`), restart every replica
             from the last point they agreed on, with the optimizers' state cleared and the
             algorithm restarted there (default ``True``; ``False``: the former behaviour). Why:

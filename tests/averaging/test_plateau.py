@@ -286,6 +286,15 @@ def test_a_spike_is_measured_against_the_healthy_level() -> None:
     assert rule.spikes == 2
 
 
+def test_late_noise_below_the_starting_level_is_no_spike() -> None:
+    rule = LossSpike(ratio=2.0, smoothing=0.5)
+    falling = [2.3, 1.5, 0.8, 0.4, 0.2, 0.1, 0.1, 0.1]
+    assert not any(rule.observe(loss) for loss in falling)
+    assert rule.highest == 2.3
+    assert not rule.observe(1.0)  # ten times the recent level, but better than at the start
+    assert rule.observe(2.4)
+
+
 def test_the_spike_rule_refuses_a_ratio_of_one_or_less() -> None:
     with pytest.raises(ValueError, match="ratio"):
         LossSpike(ratio=1.0)
