@@ -64,8 +64,12 @@ def test_validate_after_fit_in_the_same_processes(name: str, traced: bool) -> No
     assert last, "no rank reported validation metrics"
     for metrics in last:
         assert math.isfinite(metrics["val_loss"]) and 0.0 <= metrics["val_acc"] <= 1.0
-    for result in results:  # fit's teardown, validate's setup and teardown moved the metric too
-        assert len(result["metric_moves"]) >= 3
+    # a rank that holds one stage moves it itself: fit's teardown, validate's setup and
+    # teardown moved the metric too; rank 0 holds the whole model after fit (every stage
+    # gathered), so fit's teardown and validate's setup are Lightning's own Module.to, and
+    # only validate's teardown (it holds one stage again) is the pipeline's move
+    for rank, result in enumerate(results):
+        assert len(result["metric_moves"]) >= (1 if rank == 0 else 3)
         assert all(count >= 1 for count in result["metric_moves"])
 
 
