@@ -9,7 +9,7 @@ replica to the last agreed point after a loss spike (:class:`LossSpike`).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -53,11 +53,11 @@ class LossResponses(ReplicaState):
         # quantized rounds keep each fragment's in ``agreements``)
         self._safe_point: list[Tensor] | None = None
 
-    def _finish_round(self, current: Round) -> None:
-        raise NotImplementedError  # ReplicaAveraging's
+    if TYPE_CHECKING:  # the round runner's, defined by ReplicaAveraging
 
-    def _start_averagers(self) -> None:
-        raise NotImplementedError  # ReplicaAveraging's
+        def _finish_round(self, current: Round) -> None: ...
+
+        def _start_averagers(self) -> None: ...
 
     def _respond_to_loss(self) -> None:
         """At a step boundary: roll back after a spike, open the window after the plateau."""
