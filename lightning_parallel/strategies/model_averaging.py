@@ -70,7 +70,6 @@ from typing import Any, Literal
 import pytorch_lightning as pl
 import torch.distributed as dist
 from pytorch_lightning.trainer.states import TrainerFn
-from torch import Tensor
 from torch.distributed.constants import default_pg_timeout as DEFAULT_TIMEOUT
 from torch.nn import Module
 from torch.optim import Optimizer
@@ -82,6 +81,7 @@ from lightning_parallel.averaging import (
     ReplicaAveraging,
     build_reduction,
 )
+from lightning_parallel.averaging.closures import averaging_gradients_after, observing_loss_after
 from lightning_parallel.averaging.outer_optimizer import (
     DILOCO_OUTER_LR,
     DILOCO_OUTER_MOMENTUM,
@@ -449,9 +449,9 @@ class ModelAveragingStrategy(AveragingCheckpoints):
                 observe = averaging.observes_loss
                 averaging.count_optimizer_step()
             if self._synchronous_batch and averaging.world_size > 1:
-                closure = _closure_averaging_gradients(averaging, optimizer, closure)
+                closure = averaging_gradients_after(averaging, optimizer, closure)
             elif observe:
-                closure = _closure_observing_loss(averaging, closure)
+                closure = observing_loss_after(averaging, closure)
         return super().optimizer_step(optimizer, closure, model, **kwargs)
 
     @override
@@ -471,35 +471,6 @@ class ModelAveragingStrategy(AveragingCheckpoints):
         super().on_train_end()
         if self.averaging is not None:
             self.averaging.finish()
-
-
-def _closure_averaging_gradients(
-    averaging: ReplicaAveraging, optimizer: Optimizer, closure: Callable[[], Any]
-) -> Callable[[], Any]:
-    """``closure`` followed by the mean of the gradients of ``optimizer``'s parameters."""
-    parameters = [p for group in optimizer.param_groups for p in group["params"]]
-
-    def closure_with_mean_gradients() -> Any:
-        result = closure()
-        averaging.average_gradients(parameters)
-        return result
-
-    return closure_with_mean_gradients
-
-
-def _closure_observing_loss(
-    averaging: ReplicaAveraging, closure: Callable[[], Any]
-) -> Callable[[], Any]:
-    """``closure`` followed by feeding its loss to the plateau rule (collective: a closure that
-    returns no loss, such as manual optimization's empty one, feeds NaN, which it ignores)."""
-
-    def closure_observing_loss() -> Any:
-        result = closure()
-        loss = result if isinstance(result, Tensor) and result.numel() == 1 else float("nan")
-        averaging.observe_loss(loss)
-        return result
-
-    return closure_observing_loss
 
 
 # ---------------------------------------------------------------------- arguments
