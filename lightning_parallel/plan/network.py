@@ -1,0 +1,379 @@
+"""The cluster and the cost laws of its collectives: seconds, payload and wire bytes a host.
+
+A :class:`Cluster` is ``hosts`` machines of ``processes_per_host`` ranks each, ranks numbered
+host-major (rank ``h·K + l``, as :func:`~lightning_parallel.cluster.launcher.run_on_hosts`
+numbers them). Hosts talk over the :attr:`~Cluster.inter` link (one uplink per host,
+``bandwidth`` bits/s each way, ``latency`` one-way seconds), ranks of one host over the
+:attr:`~Cluster.intra` link. Each law returns a :class:`Transfer` for the busiest host.
+
+Notation: ``W`` ranks, ``H`` hosts, ``K`` ranks a host, ``N`` bytes, ``L`` one-way latency,
+``b`` the payload rate of a link in bytes/s (below), ``s = min(hosts_per_link, senders)``
+hosts sharing an uplink at once, each getting ``b / s``.
+
+Framing (measured on the simulated hosts of :mod:`lightning_parallel.cluster.network`, Linux
+6.18, torch 2.13 gloo; ``tests/plan/test_network.py`` re-measures it):
+
+* every TCP segment carries ``66`` header bytes: Ethernet 14 + IPv4 20 + TCP 20 + timestamp
+  option 12; the MSS at MTU 1500 is ``1448`` (``OutSegs · 1448`` = the payload sent, within
+  0.1%, on a 4 MB send);
+* ``tc`` (``tbf``) shapes layer-2 bytes *per segment* even for GSO super-packets, so a link of
+  ``B`` bits/s carries ``b = B/8 · 1448/1514`` payload bytes/s (a 4 MB send at 100mbit took
+  0.334 s, the law says 0.3346 s; without the framing it would be 0.320 s);
+* the interface counter ``tx_bytes`` counts what the kernel hands the veth: GSO super-packets
+  of up to 45 segments (65160 payload bytes, measured 53-65 kB a packet at 100mbit-1gbit),
+  each with *one* 66-byte header, and the receiver sends one 66-byte ACK per packet it gets
+  (60 ACKs for 61 packets of a 4 MB send); so on the simulated hosts
+  ``tx_bytes ≈ payload · (1 + 66/65160) + received · 66/65160``, about 0.1% of framing.
+  A real NIC that counts every segment sees ``66/1448`` (4.6%) instead, and ACKs every second
+  segment: :data:`ETHERNET`;
+* gloo adds about 145 bytes a message sent (its preamble) and a notification of about as much
+  for each message received (measured: 290 bytes a host a round of a ring allreduce on 2, 4
+  and 8 hosts, 118 bytes on a lone send).
+
+The algorithms gloo runs (torch 2.13, CPU tensors), found from the bytes each host sent on 2,
+4 and 8 hosts (250 kB to 4 MB): ``all_reduce`` is a ring (reduce-scatter then all-gather,
+``2(W-1)/W · N`` a host at every size tried; a tree would be ``log2(W) · N`` at the root);
+``all_gather`` sends ``(W-1) · n`` a host; ``broadcast`` is a binomial tree (on 8 hosts the
+root sent ``3N``, rank 1 ``2N``, ranks 2-3 ``N``, ranks 4-7 nothing); ``reduce_scatter_tensor``
+costs a whole allreduce (``2(W-1)/W · N``, not ``(W-1)/W · N``); ``gather``/``scatter`` go
+straight between the root and each rank.
+
+Limits: below about 100 kB gloo's own messages dominate and the byte law undercounts (a 4 kB
+allreduce on 8 hosts: 17.9 kB counted, 12.9 kB by the law); the seconds were checked on 2
+hosts (a 4 MB allreduce at 100mbit: 0.334 s measured, 0.3346 s by the law), not the latency
+terms nor the tree's rounds, which 8 processes on this machine's 2 cores cannot time.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from lightning_parallel.cluster.units import parse_bandwidth, parse_latency
+
+__all__: list[str] = []
+
+HEADER_BYTES = 66  # Ethernet 14 + IPv4 20 + TCP 20 + timestamps 12
+SEGMENT_BYTES = 1448  # MSS at MTU 1500 with TCP timestamps
+
+
+@dataclass(frozen=True)
+class Framing:
+    """How payload becomes bytes on the link (shaped) and in the interface counter (counted).
+
+    Args:
+        header_bytes: headers on every segment and packet.
+        segment_bytes: payload a TCP segment (the MSS): ``tc`` shapes per segment.
+        packet_bytes: payload a packet the counter counts (a GSO super-packet on veth; one
+            segment on a NIC that counts segments). Larger => less framing counted.
+        packets_per_ack: packets received per ACK sent. Larger => fewer ACK bytes.
+        message_bytes: protocol bytes (gloo's preamble and ready notification) a message.
+    """
+
+    header_bytes: int = HEADER_BYTES
+    segment_bytes: int = SEGMENT_BYTES
+    packet_bytes: int = 45 * SEGMENT_BYTES
+    packets_per_ack: float = 1.0
+    message_bytes: int = 145
+
+    def __post_init__(self) -> None:
+        if min(self.segment_bytes, self.packet_bytes) <= 0 or self.packets_per_ack <= 0:
+            raise ValueError(f"framing sizes and packets_per_ack must be positive: {self}")
+
+    @property
+    def shaping_factor(self) -> float:
+        """Layer-2 bytes the shaper counts per payload byte: ``(MSS + header) / MSS``."""
+        return (self.segment_bytes + self.header_bytes) / self.segment_bytes
+
+
+VETH = Framing()
+"""The simulated hosts' veth counters (GSO packets of 45 segments, one ACK a packet)."""
+
+ETHERNET = Framing(packet_bytes=SEGMENT_BYTES, packets_per_ack=2.0)
+"""A NIC counting every 1448-byte segment, the receiver ACKing every second one."""
+
+
+@dataclass(frozen=True)
+class Link:
+    """One host's connection: ``bandwidth`` bits/s each way (as ``tc`` shapes it), one-way
+    ``latency`` seconds."""
+
+    bandwidth: float
+    latency: float
+
+    def __post_init__(self) -> None:
+        if self.bandwidth <= 0 or self.latency < 0:
+            raise ValueError(f"a link needs bandwidth > 0 and latency >= 0, got {self}")
+
+    def seconds(self, nbytes: float, framing: Framing, sharing: int = 1) -> float:
+        """``L + nbytes · 8 · shaping_factor · sharing / bandwidth``: one message's time."""
+        bits = nbytes * 8.0 * framing.shaping_factor * sharing
+        return self.latency + bits / self.bandwidth
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """``hosts`` machines of ``processes_per_host`` ranks, joined by ``inter`` links.
+
+    ``hosts_per_link`` hosts share one uplink (oversubscription): hosts sending at once divide
+    its bandwidth. ``framing`` says what the counters count (:data:`VETH`: the simulated hosts).
+    """
+
+    hosts: int
+    processes_per_host: int = 1
+    inter: Link = field(default_factory=lambda: Link(1e9, 0.0))
+    intra: Link = field(default_factory=lambda: Link(80e9, 5e-6))  # 10 GB/s, 5 us
+    hosts_per_link: int = 1
+    framing: Framing = VETH
+
+    def __post_init__(self) -> None:
+        if self.hosts < 1 or self.processes_per_host < 1 or self.hosts_per_link < 1:
+            raise ValueError(
+                "hosts, processes_per_host and hosts_per_link must be >= 1, got "
+                f"{self.hosts}, {self.processes_per_host}, {self.hosts_per_link}"
+            )
+
+    @property
+    def world(self) -> int:
+        """Ranks in all: ``hosts · processes_per_host``."""
+        return self.hosts * self.processes_per_host
+
+    def sharing(self, senders: int) -> int:
+        """Hosts dividing one uplink when ``senders`` hosts send at once."""
+        return max(1, min(self.hosts_per_link, senders))
+
+    @classmethod
+    def parse(
+        cls,
+        hosts: int,
+        processes_per_host: int = 1,
+        bandwidth: str = "1gbit",
+        latency: str = "0",
+        intra_bandwidth: str | None = None,
+        intra_latency: str | None = None,
+        hosts_per_link: int = 1,
+    ) -> Cluster:
+        """A cluster from ``tc``-style text: ``Cluster.parse(4, 1, "100mbit", "1ms")``.
+
+        Raises:
+            ValueError: a rate or delay not understood (the message gives the units).
+        """
+        default = Link(80e9, 5e-6)
+        intra = Link(
+            parse_bandwidth(intra_bandwidth) if intra_bandwidth else default.bandwidth,
+            parse_latency(intra_latency) if intra_latency else default.latency,
+        )
+        inter = Link(parse_bandwidth(bandwidth), parse_latency(latency))
+        return cls(hosts, processes_per_host, inter, intra, hosts_per_link)
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """The cost of one collective to its busiest host.
+
+    ``payload_bytes`` crosses that host's inter-host link outward; ``wire_bytes`` is what its
+    ``tx_bytes`` counter adds (payload, framing, the ACKs it sends); ``messages`` counts the
+    sequential rounds (latency terms) in ``seconds``.
+    """
+
+    seconds: float
+    payload_bytes: float
+    wire_bytes: float
+    messages: int
+
+
+def wire_bytes(
+    payload_sent: float,
+    payload_received: float,
+    messages_sent: int = 0,
+    messages_received: int = 0,
+    framing: Framing = VETH,
+) -> float:
+    """Bytes a host's ``tx_bytes`` counts for what it sends and receives.
+
+    ``sent + G · (m_s + m_r) + H · (sent/P + m_s + m_r + received/(P · A))`` with ``H`` the
+    header bytes, ``P`` payload a counted packet, ``A`` packets per ACK, ``G`` gloo's bytes a
+    message, ``m_s``/``m_r`` messages sent/received: each message sent is at least one packet
+    with gloo's preamble, each one received costs a ready notification of its own packet.
+    """
+    f = framing
+    packets = payload_sent / f.packet_bytes + messages_sent + messages_received
+    acks = payload_received / (f.packet_bytes * f.packets_per_ack)
+    return (
+        payload_sent
+        + f.header_bytes * (packets + acks)
+        + f.message_bytes * (messages_sent + messages_received)
+    )
+
+
+def _rounds(cluster: Cluster, count: int, nbytes: float, senders: int) -> float:
+    """Seconds of ``count`` lockstep rounds in which every rank passes ``nbytes`` to the next
+    rank: each round waits for its slowest edge, the inter-host one (shared by ``senders``
+    hosts) where there is more than one host, the intra-host one where a host has more than
+    one rank."""
+    edges = []
+    if cluster.hosts > 1:
+        edges.append(cluster.inter.seconds(nbytes, cluster.framing, cluster.sharing(senders)))
+    if cluster.processes_per_host > 1:
+        edges.append(cluster.intra.seconds(nbytes, cluster.framing))
+    return count * max(edges, default=0.0)
+
+
+def _transfer(
+    cluster: Cluster,
+    seconds: float,
+    sent: float,
+    received: float,
+    messages: int,
+    messages_sent: int | None = None,
+) -> Transfer:
+    """A :class:`Transfer` of a host that sends ``messages_sent`` (default ``messages``) and
+    receives one message a round where it receives anything; no inter-host bytes on one host."""
+    if cluster.hosts == 1:
+        return Transfer(seconds, 0.0, 0.0, messages)
+    sent_count = messages if messages_sent is None else messages_sent
+    received_count = messages if received else 0
+    wire = wire_bytes(sent, received, sent_count, received_count, cluster.framing)
+    return Transfer(seconds, sent, wire, messages)
+
+
+def all_reduce(cluster: Cluster, nbytes: float, algorithm: str = "ring") -> Transfer:
+    """Every rank ends with the sum of every rank's ``nbytes``.
+
+    ``"ring"`` (what gloo runs, any size): reduce-scatter then all-gather, ``2(W-1)`` rounds
+    of ``N/W`` bytes around the host-major ring, which leaves each host once:
+    ``seconds = 2(W-1) · max(L + N/W/(b/s), L_intra + N/W/b_intra)``, payload
+    ``2(W-1)/W · N`` a host, the same received.
+
+    ``"tree"``: binomial reduce to rank 0 then binomial broadcast, ``⌈log2 H⌉`` rounds across
+    hosts and ``⌈log2 K⌉`` inside each, each way:
+    ``seconds = 2(⌈log2 H⌉ · (L + N/(b/s)) + ⌈log2 K⌉ · (L_intra + N/b_intra))``, the busiest
+    host (the root's) sending ``⌈log2 H⌉ · N``.
+
+    Raises:
+        ValueError: another algorithm.
+    """
+    world = cluster.world
+    if world == 1:
+        return Transfer(0.0, 0.0, 0.0, 0)
+    if algorithm == "ring":
+        rounds = 2 * (world - 1)
+        chunk = nbytes / world
+        seconds = _rounds(cluster, rounds, chunk, cluster.hosts)
+        return _transfer(cluster, seconds, rounds * chunk, rounds * chunk, rounds)
+    if algorithm == "tree":
+        return _tree_all_reduce(cluster, nbytes)
+    raise ValueError(f"all_reduce algorithm must be 'ring' or 'tree', got {algorithm!r}")
+
+
+def _tree_all_reduce(cluster: Cluster, nbytes: float) -> Transfer:
+    host_rounds = math.ceil(math.log2(cluster.hosts))
+    local_rounds = math.ceil(math.log2(cluster.processes_per_host))
+    one_way = _binomial_seconds(cluster, nbytes, host_rounds, local_rounds)
+    sent = host_rounds * nbytes
+    rounds = 2 * (host_rounds + local_rounds)
+    return _transfer(cluster, 2 * one_way, sent, sent, rounds)
+
+
+def _binomial_seconds(
+    cluster: Cluster, nbytes: float, host_rounds: int, local_rounds: int
+) -> float:
+    """A binomial tree's time: in host round ``i`` ``2^i`` hosts send at once."""
+    framing = cluster.framing
+    seconds = local_rounds * cluster.intra.seconds(nbytes, framing) if local_rounds else 0.0
+    for i in range(host_rounds):
+        seconds += cluster.inter.seconds(nbytes, framing, cluster.sharing(2**i))
+    return seconds
+
+
+def all_gather(cluster: Cluster, nbytes_per_rank: float) -> Transfer:
+    """Every rank ends with every rank's ``n = nbytes_per_rank`` bytes (a ring).
+
+    ``W-1`` rounds of ``n`` bytes around the host-major ring:
+    ``seconds = (W-1) · max(L + n/(b/s), L_intra + n/b_intra)``, payload ``(W-1) · n`` a host,
+    the same received.
+    """
+    rounds = cluster.world - 1
+    seconds = _rounds(cluster, rounds, nbytes_per_rank, cluster.hosts)
+    sent = rounds * nbytes_per_rank
+    return _transfer(cluster, seconds, sent, sent, rounds)
+
+
+def reduce_scatter(cluster: Cluster, nbytes: float, algorithm: str = "ring") -> Transfer:
+    """Every rank ends with the sum of its ``N/W`` share of every rank's ``nbytes``.
+
+    ``"ring"`` (NCCL's, the textbook one): ``W-1`` rounds of ``N/W``,
+    ``seconds = (W-1) · max(L + N/W/(b/s), L_intra + N/W/b_intra)``, payload
+    ``(W-1)/W · N`` a host. ``"allreduce"``: what gloo's ``reduce_scatter_tensor`` costs in
+    torch 2.13 (measured: a whole ring allreduce, ``2(W-1)/W · N``), see :func:`all_reduce`.
+
+    Raises:
+        ValueError: another algorithm.
+    """
+    if algorithm == "allreduce":
+        return all_reduce(cluster, nbytes)
+    if algorithm != "ring":
+        raise ValueError(
+            f"reduce_scatter algorithm must be 'ring' or 'allreduce', got {algorithm!r}"
+        )
+    world = cluster.world
+    chunk = nbytes / world
+    seconds = _rounds(cluster, world - 1, chunk, cluster.hosts)
+    sent = (world - 1) * chunk
+    return _transfer(cluster, seconds, sent, sent, world - 1)
+
+
+def broadcast(cluster: Cluster, nbytes: float) -> Transfer:
+    """Every rank ends with root's ``nbytes`` (a binomial tree, as gloo's).
+
+    ``⌈log2 H⌉`` rounds across hosts (round ``i``: ``2^i`` hosts send at once) and
+    ``⌈log2 K⌉`` inside them:
+    ``seconds = Σ_i (L + N/(b/s_i)) + ⌈log2 K⌉ · (L_intra + N/b_intra)``; the root's host
+    sends ``⌈log2 H⌉ · N``, the most.
+    """
+    host_rounds = math.ceil(math.log2(cluster.hosts))
+    local_rounds = math.ceil(math.log2(cluster.processes_per_host))
+    seconds = _binomial_seconds(cluster, nbytes, host_rounds, local_rounds)
+    sent = host_rounds * nbytes
+    return _transfer(cluster, seconds, sent, 0.0, host_rounds + local_rounds, host_rounds)
+
+
+def gather(cluster: Cluster, nbytes_per_rank: float) -> Transfer:
+    """Rank 0 ends with every rank's ``n = nbytes_per_rank`` bytes (parameter-server style).
+
+    Every rank sends to the root at once; the root host's inbound link carries
+    ``(W-K) · n``: ``seconds = L + (W-K) · n/b + (K-1) · n/b_intra``. The busiest sender is a
+    host of ``K`` ranks: payload ``K · n``.
+    """
+    return _to_or_from_root(cluster, nbytes_per_rank, outward=False)
+
+
+def scatter(cluster: Cluster, nbytes_per_rank: float) -> Transfer:
+    """Each rank ends with its ``n = nbytes_per_rank`` bytes from rank 0.
+
+    The root host sends ``(W-K) · n`` over its link:
+    ``seconds = L + (W-K) · n/b + (K-1) · n/b_intra``, payload ``(W-K) · n``.
+    """
+    return _to_or_from_root(cluster, nbytes_per_rank, outward=True)
+
+
+def _to_or_from_root(cluster: Cluster, nbytes_per_rank: float, outward: bool) -> Transfer:
+    local = cluster.processes_per_host
+    remote = cluster.world - local
+    seconds = 0.0
+    if remote:
+        seconds += cluster.inter.seconds(remote * nbytes_per_rank, cluster.framing)
+    if local > 1:
+        seconds += (local - 1) * cluster.intra.seconds(nbytes_per_rank, cluster.framing)
+    sent = remote * nbytes_per_rank if outward else local * nbytes_per_rank
+    messages = remote if outward else local
+    wire = wire_bytes(sent, 0.0, messages, 0, cluster.framing) if remote else 0.0
+    return Transfer(seconds, sent if remote else 0.0, wire, 1)
+
+
+def send(cluster: Cluster, nbytes: float) -> Transfer:
+    """One rank's ``nbytes`` to another (a pipeline's activations): ``L + N/b``, over the
+    inter-host link if the cluster has more than one host, else over the intra link."""
+    link = cluster.inter if cluster.hosts > 1 else cluster.intra
+    seconds = link.seconds(nbytes, cluster.framing)
+    return _transfer(cluster, seconds, nbytes, 0.0, 1)
