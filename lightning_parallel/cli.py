@@ -13,6 +13,8 @@ Subcommands:
   ``num_classes`` follow the data; a ``CommStats`` callback logs communication per step.
 - ``cluster``: run a command on a simulated multi-host cluster (network namespaces).
 - ``bench``: compare strategies on the simulated cluster.
+- ``plan``: predict each strategy's step time, bytes per step and memory for a model on a
+  cluster, from one profile.
 - ``codecs``: time each gradient codec's encode and decode per 10M floats, on CPU and CUDA.
 - ``strategies``: list the strategy names this package registers.
 """
@@ -29,9 +31,10 @@ _TOOLS = {
     "cluster": "lightning_parallel.cluster.command",
     "bench": "lightning_parallel.bench.command",
     "codecs": "lightning_parallel.bench.codecs",
+    "plan": "lightning_parallel.bench.plan",
 }
 _USAGE = (
-    "usage: lightning-parallel {fit,validate,test,predict,cluster,bench,codecs,strategies} ...\n"
+    "usage: lightning-parallel {fit,validate,test,predict,cluster,bench,plan,codecs,strategies} ...\n"
     "       lightning-parallel fit --help   (and likewise for every subcommand)\n"
 )
 

@@ -109,6 +109,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--json", type=Path, default=None, help="write the BENCH.md JSON here")
     parser.add_argument("--plot", type=Path, default=None, help="write the PNG plot here")
     parser.add_argument("--log-dir", type=Path, default=None, help="per-run worker logs")
+    parser.add_argument(
+        "--predict",
+        action="store_true",
+        help="profile the model first and print the plan's prediction beside each run (JSON: "
+        "extra.predicted_step_s, predicted_peak_rss_mb, predicted_wire_bytes_per_step)",
+    )
     parser.add_argument("--list", action="store_true", help="list the known SPEC names")
     return parser
 
@@ -165,10 +171,20 @@ def main(argv: list[str]) -> int:
     )
     warnings.filterwarnings("ignore", "latency .* is NOT emulated", RuntimeWarning)
     warnings.filterwarnings("ignore", "swap is not capped", RuntimeWarning)
+    specs = expand_specs(args.spec or ["ddp"])
+    profile = None
+    if args.predict:
+        from lightning_parallel.bench.predicted import take_profile
+
+        try:
+            profile = take_profile(specs, config)
+        except RuntimeError as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 2
     try:
         with interrupt_on_signals():
             result = run_benchmark(
-                expand_specs(args.spec or ["ddp"]),
+                specs,
                 config,
                 log_dir=args.log_dir,
                 progress=lambda line: console.print(line, markup=False, highlight=False),
@@ -181,6 +197,12 @@ def main(argv: list[str]) -> int:
         print(f"error: {interrupt}; hosts stopped and {removed} removed", file=sys.stderr)
         return 128 + interrupt.signum
     print_table(result, console)
+    if profile is not None:
+        from lightning_parallel.bench.predicted import attach, comparison, predict_runs
+
+        emulated = bool(result["config"].get("latency_emulated", True))
+        attach(result, predict_runs(profile, specs, config, emulated))
+        console.print(comparison(result), markup=False, highlight=False)
     if args.json is not None:
         write_json(result, args.json)
         console.print(f"wrote {args.json}")

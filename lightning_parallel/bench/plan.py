@@ -1,0 +1,437 @@
+"""``lightning-parallel plan``: predict each strategy's step time, bytes and memory for a model on
+a cluster, from one profile taken in this process.
+
+Example::
+
+    lightning-parallel plan --model vgg_mini --data digits --hosts 2 --bandwidth 100mbit \\
+        --latency 1ms -s ddp -s hylo -s diloco -s gropipe --json plan.json --plot plan.png
+
+How the profile is taken (one process, ``--threads`` torch threads, one per process as the
+bench runs them):
+
+1. the model and data are built as the bench builds them (bundled names or class paths with
+   init arguments, :mod:`lightning_parallel.bench.modules`);
+2. a real ``fit`` of ``--profile-steps`` steps runs under ``ddp`` on this one process, timed
+   step by step as the bench times a step (its probe): the trainer's own time per step and
+   the process's peak memory come from it;
+3. the plain-torch profile (:func:`lightning_parallel.plan.profile.profile_step`) times the
+   forward, backward and optimizer step of ``training_step`` on one batch, and, where a
+   pipeline is asked for, the per-layer costs of the chain it would split
+   (:func:`lightning_parallel.plan.profile.pipeline_layers`).
+
+``--profile-json`` keeps the profile; ``--from-profile`` plans from a kept one (another
+cluster without profiling again). The strategies' options are the registered defaults merged
+with each SPEC's, as the bench builds them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import math
+import os
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+__all__: list[str] = []
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="lightning-parallel plan",
+        description="Predict each strategy's step time, bytes per step per host and peak "
+        "memory per rank for a model on a cluster, from one profile taken in this process.",
+    )
+    parser.add_argument("-s", "--spec", action="append", default=[], metavar="SPEC")
+    parser.add_argument("--model", default="vgg_mini", help="as bench's --model")
+    parser.add_argument("--data", default=None, help="as bench's --data")
+    parser.add_argument("--batch-size", type=int, default=32, help="per process")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--hosts", type=int, default=2)
+    parser.add_argument("--procs-per-host", "--devices", dest="procs_per_host", type=int, default=1)
+    parser.add_argument(
+        "--bandwidth", default="1gbit", help="between hosts, per host and direction"
+    )
+    parser.add_argument("--latency", default="1ms", help="one way, between hosts")
+    parser.add_argument("--intra-bandwidth", default=None, help="between processes of a host")
+    parser.add_argument("--intra-latency", default=None)
+    parser.add_argument("--hosts-per-link", type=int, default=1, help="hosts sharing an uplink")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads while profiling")
+    parser.add_argument(
+        "--accelerator-tflops",
+        type=float,
+        default=None,
+        help="predict for a device that runs the model's matrix products and convolutions at "
+        "this many TFLOP/s at peak (e.g. 989 for an H100's dense bf16), instead of this "
+        "machine's measured compute: a labelled prediction, see --utilization",
+    )
+    parser.add_argument(
+        "--utilization",
+        type=float,
+        default=0.4,
+        help="share of --accelerator-tflops the model reaches (default 0.4)",
+    )
+    parser.add_argument("--profile-steps", type=int, default=10, help="steps of the profile's fit")
+    parser.add_argument(
+        "--scale", default="2,4,8,16,32,64,128,256,512,1024",
+        help="host counts for the scaling plot and JSON",
+    )  # fmt: skip
+    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--plot", type=Path, default=None)
+    parser.add_argument("--profile-json", type=Path, default=None, help="write the profile here")
+    parser.add_argument("--from-profile", type=Path, default=None, help="plan from this profile")
+    return parser
+
+
+def strategy_options(spec_text: str) -> tuple[str, dict[str, Any]]:
+    """The strategy name of ``spec_text`` and its options as the bench builds it: the
+    constructor's defaults, the registered ones over them, the SPEC's over those."""
+    from lightning_parallel.bench.specs import parse_spec, resolve, split_trainer_options
+
+    spec, _ = split_trainer_options(parse_spec(spec_text))
+    try:
+        constructor, kwargs = resolve(spec)
+    except ValueError:
+        return spec.name, dict(spec.options)
+    defaults: dict[str, Any] = {}
+    try:
+        for parameter in inspect.signature(constructor).parameters.values():
+            if parameter.default is not inspect.Parameter.empty:
+                defaults[parameter.name] = parameter.default
+    except (TypeError, ValueError):
+        pass
+    return spec.name, {**defaults, **kwargs}
+
+
+def _micro_batch_counts(strategies: list[tuple[str, str, dict[str, Any]]]) -> list[int]:
+    counts = {1}  # the whole batch: DDP's gradient readiness
+    for _, name, options in strategies:
+        if name == "gropipe":
+            counts.add(int(options.get("micro_batches", 4)))
+        if name == "spectrain":
+            counts.add(int(options.get("micro_batches", 1)))
+    return sorted(counts)
+
+
+def _rss_bytes() -> float:
+    """This process's resident memory now."""
+    with open("/proc/self/statm") as statm:
+        return float(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _step_probe(callback_base: type) -> Any:
+    """A callback of ``callback_base``'s namespace that times steps as the bench's probe does
+    (from the previous step's end to this one's) and reads the peak memory at train end."""
+    import resource
+    import time
+
+    class StepProbe(callback_base):  # type: ignore[misc, valid-type]
+        def __init__(self) -> None:
+            self.step_seconds: list[float] = []
+            self.peak_rss_bytes = 0.0
+            self._previous: float | None = None
+            self._start = 0.0
+
+        def on_train_batch_start(self, *args: Any) -> None:
+            now = time.perf_counter()
+            self._start = self._previous if self._previous is not None else now
+
+        def on_train_batch_end(self, *args: Any) -> None:
+            self._previous = time.perf_counter()
+            self.step_seconds.append(self._previous - self._start)
+
+        def on_train_end(self, *args: Any) -> None:
+            self.peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0
+
+    return StepProbe()
+
+
+def profile_module(
+    model: Any,
+    datamodule: Any,
+    *,
+    micro_batches: list[int] | tuple[int, ...] = (1,),
+    steps: int = 10,
+    threads: int = 1,
+    seed: int = 0,
+) -> Any:
+    """Profile a ``LightningModule`` (either namespace) on its data module's first batch, in
+    this process (see the module docstring); ``micro_batches`` are the splits of the batch to
+    take layer profiles at (1: the whole batch). Returns a
+    :class:`~lightning_parallel.plan.profile.StepProfile`."""
+    import torch
+
+    from lightning_parallel.compat.namespaces import PYTORCH_LIGHTNING, of_object
+    from lightning_parallel.plan.profile import pipeline_layers, profile_step
+
+    lightning = (of_object(model) or PYTORCH_LIGHTNING).module()
+    # Lightning's CPU accelerator gives each process cores // processes threads unless
+    # OMP_NUM_THREADS is set (the bench's hosts set it to 1)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
+    lightning.seed_everything(seed, workers=True, verbose=False)
+    base = _rss_bytes()
+    probe = _step_probe(lightning.Callback)
+    trainer = lightning.Trainer(
+        accelerator="cpu", devices=1,
+        strategy=lightning.strategies.DDPStrategy(process_group_backend="gloo"),
+        max_steps=steps, limit_val_batches=0, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        callbacks=[probe],
+    )  # fmt: skip
+    trainer.fit(model, datamodule=datamodule)
+    torch.set_num_threads(threads)
+    warmup = min(3, max(0, len(probe.step_seconds) - 1))
+    steady = sorted(probe.step_seconds[warmup:])
+    trainer_step = steady[len(steady) // 2] if steady else None
+    loader = datamodule.train_dataloader()
+    batch = next(iter(loader))
+    samples = len(loader.dataset) if hasattr(loader, "dataset") else None
+    # the trained model profiles as the untrained one would: the same work per step
+    optimizer = _first_optimizer(model.configure_optimizers())
+    profile = profile_step(model, batch, optimizer, repeats=5, warmup=2)
+    # the chain's layers at every micro-batch size asked for (the whole batch too: DDP's
+    # gradients become ready layer by layer)
+    layers, error = pipeline_layers(model, batch, sorted({1, *micro_batches}), repeats=3)
+    return replace(
+        profile,
+        trainer_step_s=trainer_step,
+        base_rss_bytes=base,
+        peak_rss_bytes=probe.peak_rss_bytes or None,
+        layer_profiles=layers,
+        pipeline_error=error,
+        notes={
+            "model": type(model).__name__,
+            "profile_steps": steps,
+            "train_samples": samples,
+            "drop_last": bool(getattr(loader, "drop_last", False)),
+        },
+    )
+
+
+def take_profile(
+    args: argparse.Namespace, strategies: list[tuple[str, str, dict[str, Any]]]
+) -> Any:
+    """Build the model and data the arguments name, and profile them."""
+    import pytorch_lightning as pl
+
+    from lightning_parallel.bench.modules import build
+    from lightning_parallel.demo import default_data
+
+    pl.seed_everything(args.seed, workers=True, verbose=False)
+    data_text = args.data or default_data(args.model.partition(":")[0])
+    model, datamodule = build(args.model, data_text, args.batch_size, args.seed)
+    profile = profile_module(
+        model, datamodule, micro_batches=_micro_batch_counts(strategies),
+        steps=args.profile_steps, threads=args.threads, seed=args.seed,
+    )  # fmt: skip
+    return replace(profile, notes={**profile.notes, "model": args.model, "data": data_text})
+
+
+def plan(
+    model: Any,
+    datamodule: Any,
+    cluster: Any,
+    specs: list[str] | tuple[str, ...] | None = None,
+    *,
+    steps: int = 10,
+    threads: int = 1,
+) -> list[Any]:
+    """Predict each strategy of ``specs`` (default: one of each family) for ``model`` trained on
+    ``datamodule`` on ``cluster`` (a :class:`~lightning_parallel.plan.network.Cluster`), fastest
+    first: a list of :class:`~lightning_parallel.plan.prediction.Prediction`.
+
+    Example::
+
+        from lightning_parallel.bench.plan import plan
+        from lightning_parallel.plan.network import Cluster
+
+        cluster = Cluster.parse(hosts=8, processes_per_host=1, bandwidth="10gbit", latency="50us")
+        for prediction in plan(MyModule(), MyData(), cluster, ["ddp", "hylo", "diloco"]):
+            print(prediction.spec, prediction.step_s, prediction.wire_bytes_per_step)
+    """
+    from lightning_parallel.plan.planner import DEFAULT_SPECS, predict, ranked
+
+    texts = list(specs or DEFAULT_SPECS)
+    strategies = [(text, *strategy_options(text)) for text in texts]
+    profile = profile_module(
+        model, datamodule, micro_batches=_micro_batch_counts(strategies), steps=steps,
+        threads=threads,
+    )  # fmt: skip
+    return ranked(predict(profile, cluster, strategies))
+
+
+def _first_optimizer(configured: Any) -> Any:
+    """The optimizer in what ``configure_optimizers`` returned (its first, as the strategies
+    take it)."""
+    import torch
+
+    if isinstance(configured, torch.optim.Optimizer):
+        return configured
+    if isinstance(configured, dict):
+        return _first_optimizer(configured["optimizer"])
+    if isinstance(configured, (list, tuple)) and configured:
+        return _first_optimizer(configured[0])
+    raise ValueError(f"configure_optimizers returned {type(configured).__name__}: no optimizer")
+
+
+def cluster_of(args: argparse.Namespace) -> Any:
+    """The cluster the arguments describe."""
+    from lightning_parallel.plan.network import Cluster
+
+    return Cluster.parse(
+        hosts=args.hosts,
+        processes_per_host=args.procs_per_host,
+        bandwidth=args.bandwidth,
+        latency=args.latency,
+        intra_bandwidth=args.intra_bandwidth,
+        intra_latency=args.intra_latency,
+        hosts_per_link=args.hosts_per_link,
+    )
+
+
+def predictions_for(
+    profile: dict[str, Any],
+    specs: list[str],
+    *,
+    hosts: int,
+    processes_per_host: int,
+    bandwidth: str,
+    latency: str,
+    steps: int | None = None,
+) -> list[dict[str, Any]]:
+    """The predictions (JSON records, fastest first) for ``specs`` from a profile's record on
+    the cluster given (no profiling: a plan for another cluster is instant); ``steps``: the
+    run's length, whose one-off bytes then count per step as the bench counts them."""
+    from lightning_parallel.plan.network import Cluster
+    from lightning_parallel.plan.planner import predict, ranked
+    from lightning_parallel.plan.profile import StepProfile
+
+    strategies = [(text, *strategy_options(text)) for text in specs]
+    cluster = Cluster.parse(
+        hosts=hosts, processes_per_host=processes_per_host, bandwidth=bandwidth, latency=latency
+    )
+    loaded = StepProfile.from_dict(profile)
+    run = run_length(loaded, cluster.world, steps)
+    predictions = ranked(predict(loaded, cluster, strategies, run))
+    return [p.as_dict() for p in predictions]
+
+
+def run_length(profile: Any, world: int, steps: int | None) -> Any:
+    """A run of ``steps`` steps (``None``: the steady state) with the epoch length of the
+    profile's data split over ``world`` ranks (as a distributed sampler splits it)."""
+    from lightning_parallel.plan.prediction import RunLength
+
+    samples = profile.notes.get("train_samples")
+    epoch = None
+    if samples:
+        per_rank = math.ceil(samples / world)  # a distributed sampler pads to equal shares
+        whole = per_rank // profile.batch_size
+        epoch = (
+            whole if profile.notes.get("drop_last") else math.ceil(per_rank / profile.batch_size)
+        )
+    return RunLength(steps=steps, epoch_steps=epoch)
+
+
+def run_plan(args: argparse.Namespace) -> dict[str, Any]:
+    """Profile (or load a profile), predict, and return the plan's JSON record."""
+    from lightning_parallel.plan.planner import DEFAULT_SPECS, predict, ranked, scaling
+    from lightning_parallel.plan.profile import StepProfile
+
+    texts = args.spec or list(DEFAULT_SPECS)
+    strategies = [(text, *strategy_options(text)) for text in texts]
+    if args.from_profile is not None:
+        profile = StepProfile.from_dict(json.loads(args.from_profile.read_text()))
+    else:
+        profile = take_profile(args, strategies)
+    if args.profile_json is not None:
+        args.profile_json.write_text(json.dumps(profile.as_dict()))
+    if args.accelerator_tflops is not None:
+        profile = profile.on_accelerator(args.accelerator_tflops * 1e12 * args.utilization)
+    cluster = cluster_of(args)
+    predictions = ranked(predict(profile, cluster, strategies))
+    hosts = [int(h) for h in str(args.scale).split(",") if h.strip()]
+    curves = scaling(profile, cluster, strategies, hosts)
+    return {
+        "cluster": {
+            "hosts": cluster.hosts, "processes_per_host": cluster.processes_per_host,
+            "bandwidth": args.bandwidth, "latency": args.latency,
+        },
+        "model": args.model,
+        "batch_size": args.batch_size,
+        "compute": "measured on this machine"
+        if args.accelerator_tflops is None
+        else f"predicted: {args.accelerator_tflops:g} TFLOP/s at {args.utilization:.0%}",
+        "profile": {
+            "forward_s": profile.forward_s, "backward_s": profile.backward_s,
+            "optimizer_s": profile.optimizer_s, "trainer_step_s": profile.trainer_step_s,
+            "parameter_bytes": profile.parameter_bytes,
+            "peak_rss_mb": None
+            if profile.peak_rss_bytes is None
+            else profile.peak_rss_bytes / 2**20,
+            "pipeline_error": profile.pipeline_error,
+        },
+        "predictions": [p.as_dict() for p in predictions],
+        "scaling": {spec: [list(point) for point in curve] for spec, curve in curves.items()},
+    }  # fmt: skip
+
+
+def plot(record: dict[str, Any], path: Path) -> None:
+    """Predicted step time against workers, one line per strategy (log-log)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(7, 4.5))
+    for spec, curve in record["scaling"].items():
+        if curve:
+            axis.plot([p[0] for p in curve], [p[1] for p in curve], marker="o", label=spec)
+    axis.set_xscale("log", base=2)
+    axis.set_yscale("log")
+    axis.set_xlabel("workers")
+    axis.set_ylabel("predicted step (s, median)")
+    cluster = record["cluster"]
+    axis.set_title(
+        f"{record['model']}: {cluster['bandwidth']}, {cluster['latency']} between hosts "
+        "(prediction)"
+    )
+    axis.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def main(argv: list[str]) -> int:
+    """Parse ``argv`` (after ``plan``), plan, print the ranked table; 0 on success."""
+    from lightning_parallel.plan.planner import table
+    from lightning_parallel.plan.prediction import Prediction
+
+    args = _parser().parse_args(argv)
+    try:
+        record = run_plan(args)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    predictions = [Prediction(**p) for p in record["predictions"]]
+    cluster = record["cluster"]
+    print(
+        f"plan for {record['model']} (batch {record['batch_size']} per process) on "
+        f"{cluster['hosts']} hosts x {cluster['processes_per_host']} at {cluster['bandwidth']}, "
+        f"{cluster['latency']}: predictions, fastest first"
+    )
+    print(table(predictions))
+    if args.json is not None:
+        args.json.write_text(json.dumps(record, indent=1))
+        print(f"wrote {args.json}")
+    if args.plot is not None:
+        plot(record, args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,132 @@
+"""Predict the model-averaging strategies: ``model_averaging``/``local_sgd``, ``bmuf``, ``easgd``,
+``diloco`` and streaming DiLoCo.
+
+A replica steps on its own (``local`` = the profile's step, no gradient allreduce) and, with
+the loss rules on (``rollback_on_spike``, the default; not EASGD), all-reduces its 8-byte loss
+every step. Every ``H`` steps (``period``) a round averages the replicas:
+
+- ``F`` fragments (``fragments``) each end a round every ``H`` steps at staggered phases, so a
+  period holds ``F`` rounds of ``P/F`` bytes (``P``: parameter bytes);
+- a round sends its fragment as an allreduce in ``fp32`` or at half the bytes in
+  ``bf16``/``fp16``; ``int8`` and ``int4`` codes cannot be summed on the wire, so they are
+  all-gathered (``(W − 1)·P/4`` and ``(W − 1)·P/8`` bytes a rank, block scales aside);
+- the round's work on the core (copies of the replica and the agreed point, the outer
+  optimizer's step) is taken as one optimizer step for plain averaging and EASGD, two for an
+  outer optimizer (DiLoCo, BMUF);
+- with ``sync_delay = d`` the round's transfer runs behind the next ``d`` local steps and only
+  what exceeds them is waited for.
+
+So ``F`` steps of every ``H`` carry a round and the others are local: the median step is the
+local step when rounds are fewer than half the steps (the bench's median), the mean adds
+``F/H`` of a round.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning_parallel.plan.memory import EXTRA_PARAMETER_COPIES, peak_rss_mb
+from lightning_parallel.plan.network import Cluster, Transfer, all_gather, all_reduce
+from lightning_parallel.plan.prediction import (
+    STEADY,
+    Prediction,
+    RunLength,
+    Traffic,
+    mean_of_steps,
+    median_of_steps,
+)
+from lightning_parallel.plan.profile import StepProfile
+
+__all__: list[str] = []
+
+#: bytes per float32 value that a round sends, by ``outer_dtype``
+_CODE_FRACTION = {"fp32": 1.0, "bf16": 0.5, "fp16": 0.5, "int8": 0.25, "int4": 0.125}
+_OUTER = ("outer_optimizer", "bmuf")
+
+
+def round_transfer(cluster: Cluster, nbytes: float, dtype: str) -> Transfer:
+    """One round's exchange of ``nbytes`` of float32 values in ``dtype`` (see above)."""
+    fraction = _CODE_FRACTION.get(dtype, 1.0)
+    if dtype in ("int8", "int4"):
+        return all_gather(cluster, nbytes * fraction)
+    return all_reduce(cluster, nbytes * fraction)
+
+
+def _rounds_in(steps: int, period: int, fragments: int) -> int:
+    """Fragment rounds in ``steps`` local steps from a fresh schedule: fragment ``f`` ends one
+    at step ``round((f + 1)·H/F)`` and every ``H`` steps after."""
+    phases = [round((f + 1) * period / fragments) for f in range(fragments)]
+    return sum((steps - phase) // period + 1 for phase in phases if phase <= steps)
+
+
+def round_counts(run: RunLength, period: int, fragments: int) -> float:
+    """Fragment rounds per step (a fragment round sends ``P/F`` bytes).
+
+    Steady state: ``F/H``. Over a run of ``N`` steps with epochs of ``E`` steps: before each
+    validation the replicas agree by a round of every fragment (one round, unfragmented) unless
+    the epoch's last step ended one, and the schedule starts again after it; the average at the
+    end of ``fit`` comes after the bench reads the interface counter, so it is not counted.
+    """
+    if not run.steps:
+        return fragments / period
+    epoch = run.epoch_steps or run.steps + 1
+    unit = max(1, round(period / fragments))
+    total, left = 0, run.steps
+    while left >= epoch:
+        total += _rounds_in(epoch, period, fragments)
+        total += fragments if epoch % unit else 0
+        left -= epoch
+    total += _rounds_in(left, period, fragments)
+    return total / run.steps
+
+
+def predict_averaging(
+    spec: str,
+    profile: StepProfile,
+    cluster: Cluster,
+    options: dict[str, Any],
+    run: RunLength = STEADY,
+) -> Prediction:
+    """One averaging strategy with its options (the registered defaults merged in)."""
+    algorithm = str(options.get("algorithm", "periodic"))
+    period = max(1, int(options.get("period", 8)))
+    fragments = max(1, int(options.get("fragments") or 1))
+    delay = int(options.get("sync_delay") or 0)
+    dtype = str(options.get("outer_dtype") or "fp32")
+    loss_rules = bool(options.get("rollback_on_spike", True)) and algorithm != "easgd"
+    traffic = Traffic()
+    local = profile.step_s
+    if loss_rules:
+        loss = all_reduce(cluster, 8.0)
+        traffic.add(loss)
+        local += loss.seconds
+    transfer = round_transfer(cluster, profile.parameter_bytes / fragments, dtype)
+    traffic.add(transfer, times=round_counts(run, period, fragments), waited=False)
+    work = profile.optimizer_s * (2.0 if algorithm in _OUTER else 1.0) / fragments
+    waited = max(0.0, transfer.seconds - delay * local)
+    round_step = local + work + waited
+    share = min(1.0, fragments / period)
+    steps = [(local, 1.0 - share), (round_step, share)]
+    mean = mean_of_steps(steps)
+    copies = EXTRA_PARAMETER_COPIES.get(algorithm, EXTRA_PARAMETER_COPIES["periodic"])
+    extra_bytes = copies * profile.parameter_bytes
+    return Prediction(
+        spec=spec,
+        family="averaging",
+        step_s=median_of_steps(steps),
+        mean_step_s=mean,
+        compute_s=profile.step_s + share * work,
+        exposed_comm_s=mean - profile.step_s - share * work,
+        bubble_s=0.0,
+        wire_bytes_per_step=traffic.wire_bytes,
+        payload_bytes_per_step=traffic.payload_bytes,
+        peak_rss_mb=peak_rss_mb(profile, extra_bytes),
+        samples_per_s=cluster.world * profile.batch_size / mean,
+        detail={
+            "period": period,
+            "fragments": fragments,
+            "round_s": transfer.seconds,
+            "local_step_s": local,
+            "round_step_s": round_step,
+        },
+    )

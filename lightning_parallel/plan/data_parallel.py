@@ -1,0 +1,243 @@
+"""Predict synchronous data parallelism: ``ddp``, ``ddp_fp16``, ``ddp_powersgd``, ``hylo``.
+
+**DDP's buckets.** DDP puts the gradients in buckets in reverse registration order (the first
+bucket 1 MiB, the others 25 MiB), and allreduces a bucket as soon as backward has produced all
+its gradients, one allreduce after another on the link. With per-layer backward times (the
+layer profile, scaled to the measured backward), backward is replayed layer by layer from the
+last: a layer's gradients join the open bucket when its backward ends, a full bucket is queued,
+the last one when backward ends, and the step ends when the last allreduce does:
+``step = forward + max(backward, last allreduce's end) + optimizer + trainer``. Without a
+layer profile every gradient is taken as ready at the end of backward (no overlap: an upper
+bound).
+
+**fp16.** Half the gradient bytes; the casts are not timed.
+
+**PowerSGD** (torch's hook, rank ``r``, matrices worth compressing: ``n m / ((n + m) r) > 2``):
+per bucket three allreduces in a row (the uncompressed tensors, then every ``P = M Q``, then
+every ``Q = M^T P``) and the compression work on the core before them (timed in the profile,
+:func:`~lightning_parallel.plan.profile.low_rank_seconds`).
+
+**Hylo** (defaults: rank-8 factors for convolution and fully-connected weights of at least
+8,192 values, everything else dense): every low-rank layer's ``P`` fused into one allreduce,
+the ``Q`` into a second, the dense layers into one, after backward; its cost model keeps a
+layer dense where the dense bytes cost less link time than its factors and their codec work,
+and so does the prediction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from lightning_parallel.plan.memory import EXTRA_PARAMETER_COPIES, peak_rss_mb
+from lightning_parallel.plan.network import Cluster, Transfer, all_reduce
+from lightning_parallel.plan.prediction import STEADY, Prediction, RunLength, Traffic
+from lightning_parallel.plan.profile import ParameterShape, StepProfile, low_rank_seconds
+
+__all__: list[str] = []
+
+FIRST_BUCKET_BYTES = 1 * 2**20
+BUCKET_BYTES = 25 * 2**20
+
+
+@dataclass(frozen=True)
+class Ready:
+    """Gradient bytes that become ready at ``seconds`` into backward."""
+
+    seconds: float
+    nbytes: float
+
+
+def ready_times(profile: StepProfile) -> list[Ready]:
+    """When each layer's gradients are ready during backward, last layer first (see the module
+    docstring); bytes outside the layer chain are ready at once (a head or loss module)."""
+    total = float(profile.parameter_bytes)
+    layers = profile.layers_at(profile.batch_size)
+    if layers is None or not layers.layers:
+        return [Ready(profile.backward_s, total)]
+    measured = sum(cost.backward_seconds for cost in layers.layers)
+    scale = profile.backward_s / measured if measured > 0 else 0.0
+    chained = sum(cost.parameter_bytes for cost in layers.layers)
+    ready = [Ready(0.0, max(0.0, total - chained))]
+    elapsed = 0.0
+    for cost in reversed(layers.layers):
+        elapsed += cost.backward_seconds * scale
+        ready.append(Ready(elapsed, float(cost.parameter_bytes)))
+    return ready
+
+
+def buckets(ready: Sequence[Ready], factor: float = 1.0) -> list[Ready]:
+    """DDP's buckets: when each is full (or backward ends) and its bytes, times ``factor``."""
+    out: list[Ready] = []
+    filled, cap = 0.0, float(FIRST_BUCKET_BYTES)
+    end = max((r.seconds for r in ready), default=0.0)
+    for item in ready:
+        filled += item.nbytes
+        if filled >= cap:
+            out.append(Ready(item.seconds, filled * factor))
+            filled, cap = 0.0, float(BUCKET_BYTES)
+    if filled > 0:
+        out.append(Ready(end, filled * factor))
+    return out
+
+
+def _chain(
+    bucket_list: Sequence[Ready], transfer_of: Any, traffic: Traffic, extra_s: float = 0.0
+) -> float:
+    """Queue each bucket's transfers on the link in order; the end of the last (seconds into
+    backward). ``transfer_of(bucket)`` gives the bucket's transfers, ``extra_s`` the work per
+    bucket on the core before them."""
+    link_free = 0.0
+    for bucket in bucket_list:
+        start = max(link_free, bucket.seconds) + extra_s
+        for transfer in transfer_of(bucket):
+            traffic.add(transfer, waited=False)
+            start += transfer.seconds
+        link_free = start
+    return link_free
+
+
+def _finish(
+    spec: str,
+    profile: StepProfile,
+    cluster: Cluster,
+    traffic: Traffic,
+    comm_end: float,
+    family: str,
+    extra_bytes: float,
+    work_s: float = 0.0,
+    detail: dict[str, Any] | None = None,
+) -> Prediction:
+    backward_end = profile.backward_s + work_s
+    exposed = max(0.0, comm_end - backward_end)
+    step = profile.step_s + work_s + exposed
+    return Prediction(
+        spec=spec,
+        family=family,
+        step_s=step,
+        mean_step_s=step,
+        compute_s=profile.step_s + work_s,
+        exposed_comm_s=exposed,
+        bubble_s=0.0,
+        wire_bytes_per_step=traffic.wire_bytes,
+        payload_bytes_per_step=traffic.payload_bytes,
+        peak_rss_mb=peak_rss_mb(profile, extra_bytes),
+        samples_per_s=cluster.world * profile.batch_size / step,
+        detail=detail or {},
+    )
+
+
+def predict_ddp(
+    spec: str,
+    profile: StepProfile,
+    cluster: Cluster,
+    options: dict[str, Any],
+    run: RunLength = STEADY,
+) -> Prediction:
+    """``ddp`` (and ``ddp_fp16`` with ``compression_ratio=2``): see the module docstring."""
+    factor = 1.0 / float(options.get("compression_ratio", 1.0) or 1.0)
+    traffic = Traffic()
+    bucket_list = buckets(ready_times(profile), factor)
+    end = _chain(bucket_list, lambda b: [all_reduce(cluster, b.nbytes)], traffic)
+    detail = {"buckets": len(bucket_list)}
+    return _finish(spec, profile, cluster, traffic, end, "ddp", 0.0, detail=detail)
+
+
+def _matrix(shape: Sequence[int]) -> tuple[int, int]:
+    rows = int(shape[0])
+    cols = 1
+    for size in shape[1:]:
+        cols *= int(size)
+    return rows, cols
+
+
+def predict_powersgd(
+    spec: str,
+    profile: StepProfile,
+    cluster: Cluster,
+    options: dict[str, Any],
+    run: RunLength = STEADY,
+) -> Prediction:
+    """``ddp_powersgd``: see the module docstring."""
+    rank = int(options.get("matrix_approximation_rank", options.get("rank", 2)))
+    least = float(options.get("min_compression_rate", 2.0))
+    compressed = [p for p in profile.parameters if len(p.shape) >= 2 and _worth(p, rank, least)]
+    factor_bytes = sum(
+        4.0 * sum(_matrix(p.shape)) * min(rank, *_matrix(p.shape)) for p in compressed
+    )
+    dense_bytes = profile.parameter_bytes - sum(p.nbytes for p in compressed)
+    work = sum(low_rank_seconds(p.shape, rank) for p in compressed)
+    # the compressed share of every bucket, in proportion to its bytes
+    share = (factor_bytes + dense_bytes) / max(1.0, profile.parameter_bytes)
+    bucket_list = buckets(ready_times(profile), share)
+    count = max(1, len(bucket_list))
+    traffic = Traffic()
+    p_share = 0.5 * factor_bytes / max(1.0, factor_bytes + dense_bytes)
+    dense_share = dense_bytes / max(1.0, factor_bytes + dense_bytes)
+
+    def transfers(bucket: Any) -> list[Transfer]:
+        return [
+            all_reduce(cluster, bucket.nbytes * dense_share),
+            all_reduce(cluster, bucket.nbytes * p_share),
+            all_reduce(cluster, bucket.nbytes * p_share),
+        ]
+
+    end = _chain(bucket_list, transfers, traffic, extra_s=work / count)
+    # the first start_powerSGD_iter steps allreduce the gradients uncompressed
+    start = int(options.get("start_powerSGD_iter", 2))
+    dense = all_reduce(cluster, profile.parameter_bytes)
+    if run.steps:
+        first = min(start, run.steps) / run.steps
+        traffic.wire_bytes = (1 - first) * traffic.wire_bytes + first * dense.wire_bytes
+        traffic.payload_bytes = (1 - first) * traffic.payload_bytes + first * dense.payload_bytes
+    extra = EXTRA_PARAMETER_COPIES["ddp_powersgd"] * profile.parameter_bytes
+    detail = {"rank": rank, "compressed_layers": len(compressed), "codec_s": work}
+    return _finish(spec, profile, cluster, traffic, end, "ddp_powersgd", extra, work, detail)
+
+
+def _worth(parameter: ParameterShape, rank: int, least: float) -> bool:
+    rows, cols = _matrix(parameter.shape)
+    return rows * cols / ((rows + cols) * rank) > least
+
+
+HYLO_RANK = 8
+HYLO_LOW_RANK_MIN_NUMEL = 8192
+
+
+def predict_hylo(
+    spec: str,
+    profile: StepProfile,
+    cluster: Cluster,
+    options: dict[str, Any],
+    run: RunLength = STEADY,
+) -> Prediction:
+    """``hylo`` at its defaults (low-rank factors, error feedback): see the module docstring."""
+    rank = int(options.get("rank") or HYLO_RANK)
+    least = int(options.get("low_rank_min_numel", HYLO_LOW_RANK_MIN_NUMEL))
+    seconds_per_byte = 8.0 / cluster.inter.bandwidth
+    low_rank: list[ParameterShape] = []
+    work = 0.0
+    for parameter in profile.parameters:
+        if len(parameter.shape) < 2 or parameter.numel < least:
+            continue
+        rows, cols = _matrix(parameter.shape)
+        factors = 4.0 * (rows + cols) * min(rank, rows, cols)
+        codec = low_rank_seconds(parameter.shape, rank)
+        saved = all_reduce(cluster, parameter.nbytes).payload_bytes * seconds_per_byte
+        spent = all_reduce(cluster, factors).payload_bytes * seconds_per_byte + codec
+        if spent < saved:
+            low_rank.append(parameter)
+            work += codec
+    factor_bytes = sum(4.0 * sum(_matrix(p.shape)) * min(rank, *_matrix(p.shape)) for p in low_rank)
+    dense = profile.parameter_bytes - sum(p.nbytes for p in low_rank)
+    traffic = Traffic()
+    rounds = [all_reduce(cluster, dense)]
+    if low_rank:
+        rounds += [all_reduce(cluster, factor_bytes / 2), all_reduce(cluster, factor_bytes / 2)]
+    for transfer in rounds:
+        traffic.add(transfer, waited=False)
+    end = profile.backward_s + work + sum(t.seconds for t in rounds)
+    extra = EXTRA_PARAMETER_COPIES["hylo"] * profile.parameter_bytes
+    detail = {"low_rank_layers": len(low_rank), "rank": rank, "codec_s": work}
+    return _finish(spec, profile, cluster, traffic, end, "hylo", extra, work, detail)

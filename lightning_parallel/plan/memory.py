@@ -1,0 +1,55 @@
+"""Predict a rank's peak resident memory from the profile's one-process run.
+
+The profile's ``fit`` runs under ``ddp`` on one process (:mod:`lightning_parallel.bench.plan`):
+its peak holds the interpreter and libraries, the data, the model's parameters, gradients and
+optimizer state, the activations of one batch, and DDP's gradient buckets (one more copy of
+the gradients). A strategy's peak is that peak plus what the strategy holds besides, in bytes
+of the parameters ``P``, minus what it does without:
+
+- the data-parallel strategies with a codec, model averaging and the parameter server: copies
+  of the flat parameters (residuals, the agreed point, exchange buffers, an outer optimizer's
+  state, the server's weights and state), :data:`EXTRA_PARAMETER_COPIES` of them;
+- a pipeline stage (no DDP wrapper): the one-process peak less the whole model's state and
+  activations, plus its share of the parameters, gradients and optimizer state and the
+  activations of the micro-batches it holds in flight.
+"""
+
+from __future__ import annotations
+
+from lightning_parallel.plan.profile import StepProfile
+
+__all__: list[str] = []
+
+MB = 2.0**20
+
+
+#: what each family's largest process holds beyond the one-process ``ddp`` peak, in bytes of
+#: the parameters ``P``. Measured, not derived: the bench's peak resident memory of each
+#: strategy less its ``ddp`` run's, over ``P``, on ``vgg_mini`` (2 hosts, 40 steps at
+#: 100 Mbit/s, ``P`` = 51.5 MB, a ``ddp`` peak of 747 MB): copies of the flat parameters that
+#: the implementations keep (the agreed point, exchange buffers, residuals) and what the
+#: allocator keeps of freed buffers of that size. They are checked on the other models
+#: (``docs/choosing.md``), not fitted to them.
+EXTRA_PARAMETER_COPIES = {
+    "ddp": 0.0,
+    "ddp_powersgd": 4.2,
+    "hylo": 4.7,
+    "periodic": 4.85,
+    "outer_optimizer": 6.9,
+    "bmuf": 6.9,
+    "easgd": 5.85,
+    "parameter_server": 5.9,
+}
+
+
+def peak_rss_mb(profile: StepProfile, extra_bytes: float) -> float | None:
+    """The one-process peak plus ``extra_bytes`` (negative: less), in MiB; ``None`` where the
+    profile measured no memory."""
+    if profile.peak_rss_bytes is None:
+        return None
+    return (profile.peak_rss_bytes + extra_bytes) / MB
+
+
+def model_state_bytes(profile: StepProfile) -> float:
+    """Parameters, gradients and optimizer state of the whole model."""
+    return 2.0 * profile.parameter_bytes + profile.optimizer_state_bytes

@@ -1,0 +1,270 @@
+"""Predict the pipelines: ``gropipe`` (flushing, micro-batches) and ``spectrain`` (no flush).
+
+Both take the layer profile of the chain the pipeline splits (at the micro-batch size they
+run) and the partitioner's own split (:func:`~lightning_parallel.pipeline.partition.partition`,
+with the link's measured seconds per byte, as the strategies call it), so the stages are the
+ones training will use. ``W / p`` pipelines of ``p`` stages train side by side; a pipeline's
+stages sit on one host when it has ``p`` processes (the intra-host link between them), else on
+``p`` hosts.
+
+**GroPipe** (``m`` micro-batches, 1F1B or GPipe, per-stage times ``t_k`` with their cut
+transfers): ``S = Σ t_k + (m − 1)·max t_k`` (fill, then the slowest stage paces), plus one
+link latency for each of the ``2(m + p − 2)`` crossings on the critical path, each stage's
+optimizer step on its share of the parameters (the slowest), the trainer's time, and the
+end-of-step summary (a small all-reduce in the pipeline). Across pipelines each stage's
+gradients are all-reduced among its ``W/p`` replicas when its last backward ends; a stage
+``k`` ends ``k`` micro-batch slots before stage 0, so that much of its all-reduce is hidden.
+
+**SpecTrain** (one micro-batch a step, never flushed): stages work on different batches at
+once, so a step takes the slowest stage's busy time per batch (forward, backward, optimizer
+step and weight prediction, the trainer's time) or the transfer of the cut's activation
+(its gradient comes back on the other host's link at the same time), whichever is longer.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import replace
+from typing import Any
+
+from lightning_parallel.pipeline.link import PROBE_BYTES
+from lightning_parallel.pipeline.partition import (
+    PartitionError,
+    partition,
+    plan_for,
+    projected_step,
+)
+from lightning_parallel.plan.memory import peak_rss_mb
+from lightning_parallel.plan.network import Cluster, Link, all_reduce, send
+from lightning_parallel.plan.prediction import STEADY, Prediction, RunLength, Traffic, refused
+from lightning_parallel.plan.profile import StepProfile
+
+__all__: list[str] = []
+
+_SUMMARY_BYTES = 64.0
+PROBE_REPEATS = 2  # measure_link_seconds_per_byte's default
+
+
+def _stage_link(cluster: Cluster, stages: int) -> tuple[Link, bool]:
+    """The link between a pipeline's stages, and whether it is the hosts' link."""
+    if cluster.processes_per_host >= stages:
+        return cluster.intra, False
+    return cluster.inter, True
+
+
+def _pipeline_cluster(cluster: Cluster, stages: int) -> Cluster:
+    """The pipeline's stages as a cluster of their own (for its small collectives)."""
+    if cluster.processes_per_host >= stages:
+        return replace(cluster, hosts=1, processes_per_host=stages)
+    return replace(cluster, hosts=stages, processes_per_host=1)
+
+
+def _replica_cluster(cluster: Cluster, groups: int) -> Cluster:
+    """A stage's replicas across the pipelines (one per pipeline)."""
+    hosts = max(1, min(groups, cluster.hosts))
+    return replace(cluster, hosts=hosts, processes_per_host=max(1, groups // hosts))
+
+
+def _link_probe(traffic: Traffic, cluster: Cluster, stages: int, run: RunLength) -> None:
+    """The link measurement before partitioning (:mod:`~lightning_parallel.pipeline.link`):
+    every stage but the last sends ``repeats`` probes of ``PROBE_BYTES`` to the next, once per
+    run; hosts' mean."""
+    if not run.steps or cluster.processes_per_host >= stages:
+        return
+    senders = cluster.world // stages * (stages - 1)
+    probe = send(cluster, PROBE_BYTES)
+    traffic.payload_bytes += (
+        run.per_step(PROBE_REPEATS * senders * probe.payload_bytes) / cluster.hosts
+    )
+    traffic.wire_bytes += run.per_step(PROBE_REPEATS * senders * probe.wire_bytes) / cluster.hosts
+
+
+def _check(
+    spec: str, family: str, profile: StepProfile, cluster: Cluster, stages: int
+) -> str | None:
+    if profile.pipeline_error:
+        return f"the model cannot be split: {profile.pipeline_error}"
+    if cluster.world % stages:
+        return f"{cluster.world} processes are not a multiple of stages={stages}"
+    return None
+
+
+def _base_bytes(profile: StepProfile) -> float:
+    """The one-process peak without the model's state and activations (and DDP's buckets)."""
+    assert profile.peak_rss_bytes is not None
+    state = 3.0 * profile.parameter_bytes + profile.optimizer_state_bytes
+    return profile.peak_rss_bytes - state - profile.activation_bytes
+
+
+def _stage_peak_mb(
+    profile: StepProfile, stage_parameters: list[float], stage_activations: list[float]
+) -> float | None:
+    if profile.peak_rss_bytes is None:
+        return None
+    optimizer_per_byte = profile.optimizer_state_bytes / max(1.0, profile.parameter_bytes)
+    peaks = [
+        2.0 * params + optimizer_per_byte * params + activations
+        for params, activations in zip(stage_parameters, stage_activations)
+    ]
+    return peak_rss_mb(profile, _base_bytes(profile) - profile.peak_rss_bytes + max(peaks))
+
+
+def predict_gropipe(
+    spec: str,
+    profile: StepProfile,
+    cluster: Cluster,
+    options: dict[str, Any],
+    run: RunLength = STEADY,
+) -> Prediction:
+    """``gropipe`` with its options (see the module docstring)."""
+    stages = int(options.get("stages", 2))
+    micro = int(options.get("micro_batches", 4))
+    schedule = str(options.get("schedule", "1f1b"))
+    reason = _check(spec, "gropipe", profile, cluster, stages)
+    layers = profile.layers_at(max(1, profile.batch_size // micro))
+    if reason or layers is None:
+        return refused(spec, "gropipe", reason or "no layer profile")
+    link, crosses_hosts = _stage_link(cluster, stages)
+    probe = send(_pipeline_cluster(cluster, stages), 2**20)
+    seconds_per_byte = (probe.seconds - link.latency) / 2**20
+    try:
+        plan = partition(
+            layers.model_profile(), stages, micro, schedule=schedule,
+            link_seconds_per_byte=seconds_per_byte,
+        )  # fmt: skip
+    except PartitionError as error:
+        return refused(spec, "gropipe", str(error))
+    fill, _ = projected_step(plan.stage_seconds, micro)
+    latency = 2.0 * (micro + stages - 2) * link.latency
+    edges = [0, *plan.boundaries, len(layers.layers)]
+    stage_params = [
+        float(sum(c.parameter_bytes for c in layers.layers[a:b]))
+        for a, b in itertools.pairwise(edges)
+    ]
+    share = [p / max(1.0, sum(stage_params)) for p in stage_params]
+    optimizer = max(profile.optimizer_s * s for s in share)
+    summary = all_reduce(_pipeline_cluster(cluster, stages), _SUMMARY_BYTES)
+    traffic = Traffic().add(summary)
+    groups = cluster.world // stages
+    slot = max(plan.stage_seconds)
+    exposed_sync = 0.0
+    if groups > 1:
+        replicas = _replica_cluster(cluster, groups)
+        for k, params in enumerate(stage_params):
+            transfer = all_reduce(replicas, params)
+            traffic.add(transfer, times=1.0 / stages, waited=False)
+            exposed_sync = max(exposed_sync, transfer.seconds - k * slot)
+    cut_bytes = [float(layers.layers[b - 1].output_bytes) for b in plan.boundaries]
+    if crosses_hosts:
+        # stage k sends activations forward over its output cut and gradients back over its
+        # input cut, one of each per micro-batch; hosts' mean
+        sent = [
+            micro * ((cut_bytes[k] if k < stages - 1 else 0.0) + (cut_bytes[k - 1] if k else 0.0))
+            for k in range(stages)
+        ]
+        for nbytes in sent:
+            traffic.add(send(cluster, nbytes / micro), times=micro / stages, waited=False)
+    _link_probe(traffic, cluster, stages, run)
+    compute = fill + optimizer + profile.overhead_s
+    step = compute + latency + summary.seconds + exposed_sync
+    busy = micro * sum(plan.stage_seconds) / stages
+    activations = [
+        float(sum(c.activation_bytes for c in layers.layers[a:b])) * min(micro, stages - k)
+        for k, (a, b) in enumerate(itertools.pairwise(edges))
+    ]
+    return Prediction(
+        spec=spec,
+        family="gropipe",
+        step_s=step,
+        mean_step_s=step,
+        compute_s=busy + optimizer + profile.overhead_s,
+        exposed_comm_s=latency + summary.seconds + exposed_sync,
+        bubble_s=fill - busy,
+        wire_bytes_per_step=traffic.wire_bytes,
+        payload_bytes_per_step=traffic.payload_bytes,
+        peak_rss_mb=_stage_peak_mb(profile, stage_params, activations),
+        samples_per_s=groups * profile.batch_size / step,
+        detail={
+            "stages": stages,
+            "micro_batches": micro,
+            "boundaries": list(plan.boundaries),
+            "stage_seconds": list(plan.stage_seconds),
+            "cut_bytes": cut_bytes,
+        },
+    )
+
+
+def predict_spectrain(
+    spec: str,
+    profile: StepProfile,
+    cluster: Cluster,
+    options: dict[str, Any],
+    run: RunLength = STEADY,
+) -> Prediction:
+    """``spectrain`` with its options (see the module docstring)."""
+    stages = int(options.get("stages", 2))
+    micro = int(options.get("micro_batches", 1))
+    reason = _check(spec, "spectrain", profile, cluster, stages)
+    layers = profile.layers_at(max(1, profile.batch_size // micro))
+    if reason or layers is None:
+        return refused(spec, "spectrain", reason or "no layer profile")
+    link, crosses_hosts = _stage_link(cluster, stages)
+    probe = send(_pipeline_cluster(cluster, stages), 2**20)
+    seconds_per_byte = (probe.seconds - link.latency) / 2**20
+    try:
+        plan = partition(
+            layers.model_profile(), stages, 1, schedule="1f1b",
+            link_seconds_per_byte=seconds_per_byte,
+        )  # fmt: skip
+    except PartitionError as error:
+        return refused(spec, "spectrain", str(error))
+    # the stages' own work on the split chosen (the cut's transfers are counted apart)
+    plan = plan_for(layers.model_profile(), plan.boundaries, 1, "1f1b")
+    edges = [0, *plan.boundaries, len(layers.layers)]
+    stage_params = [
+        float(sum(c.parameter_bytes for c in layers.layers[a:b]))
+        for a, b in itertools.pairwise(edges)
+    ]
+    share = [p / max(1.0, sum(stage_params)) for p in stage_params]
+    # optimizer step and weight prediction: two passes over the stage's parameters
+    busy = [
+        micro * (t + 2.0 * profile.optimizer_s * s) + profile.overhead_s
+        for t, s in zip(plan.stage_seconds, share)
+    ]
+    cut_bytes = [float(layers.layers[b - 1].output_bytes) for b in plan.boundaries]
+    traffic = Traffic()
+    transfer_s = 0.0
+    pipeline = _pipeline_cluster(cluster, stages)
+    for nbytes in cut_bytes:
+        transfer = send(pipeline, nbytes)
+        transfer_s = max(transfer_s, micro * transfer.seconds)
+        if crosses_hosts:
+            # one activation forward and one gradient back per micro-batch, on two hosts
+            traffic.add(transfer, times=2.0 * micro / stages, waited=False)
+    _link_probe(traffic, cluster, stages, run)
+    step = max(max(busy), transfer_s)
+    activations = [
+        float(sum(c.activation_bytes for c in layers.layers[a:b])) * (stages - k)
+        for k, (a, b) in enumerate(itertools.pairwise(edges))
+    ]
+    groups = cluster.world // stages
+    return Prediction(
+        spec=spec,
+        family="spectrain",
+        step_s=step,
+        mean_step_s=step,
+        compute_s=max(busy),
+        exposed_comm_s=max(0.0, transfer_s - max(busy)),
+        bubble_s=0.0,
+        wire_bytes_per_step=traffic.wire_bytes,
+        payload_bytes_per_step=traffic.payload_bytes,
+        peak_rss_mb=_stage_peak_mb(profile, stage_params, activations),
+        samples_per_s=groups * profile.batch_size / step,
+        detail={
+            "stages": stages,
+            "boundaries": list(plan.boundaries),
+            "stage_busy_s": busy,
+            "transfer_s": transfer_s,
+            "cut_bytes": cut_bytes,
+        },
+    )

@@ -1,0 +1,90 @@
+"""``lightning-parallel plan``: a user's module by class path, profiled once, planned for any
+cluster, and ``bench --predict``'s figures beside the measured ones."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from lightning_parallel.bench import predicted
+from lightning_parallel.bench.plan import main as plan_main
+from lightning_parallel.bench.plan import predictions_for
+from lightning_parallel.bench.runner import BenchConfig
+
+TESTS = Path(__file__).parents[1]
+HELPERS = "helpers.bench_modules"
+
+
+@pytest.mark.slow
+def test_plan_profiles_a_class_path_module_once_and_plans_other_clusters(
+    tmp_path, monkeypatch, capsys
+):
+    monkeypatch.syspath_prepend(str(TESTS))
+    out, kept, plot = tmp_path / "plan.json", tmp_path / "profile.json", tmp_path / "plan.png"
+    code = plan_main(
+        ["--model", f"{HELPERS}.TinyClassifier:hidden=32", "--data", f"{HELPERS}.TinyData",
+         "--batch-size", "8", "--hosts", "2", "--bandwidth", "100mbit", "--scale", "2,4,8",
+         "--json", str(out), "--profile-json", str(kept), "--plot", str(plot),
+         "-s", "ddp", "-s", "diloco", "-s", "gropipe", "-s", "no_such_strategy"]
+    )  # fmt: skip
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "fastest first" in printed and "diloco" in printed
+    record = json.loads(out.read_text())
+    by_spec = {p["spec"]: p for p in record["predictions"]}
+    assert set(by_spec) == {"ddp", "diloco", "gropipe", "no_such_strategy"}
+    assert by_spec["no_such_strategy"]["refused"]
+    # the registered defaults reached the predictor: DiLoCo's period of 16
+    assert by_spec["diloco"]["detail"]["period"] == 16
+    assert by_spec["gropipe"]["refused"] is None
+    assert [point[0] for point in record["scaling"]["ddp"]] == [2, 4, 8]
+    assert plot.stat().st_size > 0
+    profile = json.loads(kept.read_text())
+    assert profile["trainer_step_s"] > 0 and profile["peak_rss_bytes"] > 0
+    # the same profile planned for another cluster, with no profiling: more bytes per host
+    # on a ring of 8 hosts than of 2 (2 (W - 1) / W of the gradients)
+    two = predictions_for(profile, ["ddp"], hosts=2, processes_per_host=1,
+                          bandwidth="1gbit", latency="0")  # fmt: skip
+    eight = predictions_for(profile, ["ddp"], hosts=8, processes_per_host=1,
+                            bandwidth="1gbit", latency="0")  # fmt: skip
+    assert eight[0]["payload_bytes_per_step"] == pytest.approx(
+        two[0]["payload_bytes_per_step"] * 2 * 7 / 8, rel=1e-6
+    )
+
+
+def test_bench_predict_passes_the_bench_settings_and_counts_its_run_length():
+    config = BenchConfig(hosts=4, bandwidth="100mbit", latency="2ms", model="m.M", data="m.D",
+                         max_steps=None, epochs=3, batch_size=16, seed=7)  # fmt: skip
+    argv = predicted.plan_argv(["ddp", "hylo"], config, Path("out.json"))
+    for flag, value in [("--model", "m.M"), ("--data", "m.D"), ("--hosts", "4"),
+                        ("--batch-size", "16"), ("--seed", "7"), ("--bandwidth", "100mbit")]:  # fmt: skip
+        assert argv[argv.index(flag) + 1] == value
+    assert argv.count("-s") == 2
+    # 1000 samples on 4 ranks, batches of 16 dropping the last: 15 steps an epoch, 3 epochs
+    profile = {"notes": {"train_samples": 1000, "drop_last": True}}
+    assert predicted.run_steps(profile, config) == 45
+    local = BenchConfig(network="local")
+    assert predicted.plan_argv([], local, Path("o"))[-4:] != []
+    assert predicted.LOOPBACK[0] in predicted.plan_argv([], local, Path("o"))
+
+
+def test_the_comparison_prints_predicted_beside_measured():
+    result = {
+        "runs": [
+            {"spec": "ddp", "ok": True, "step_time_s": {"median": 1.0},
+             "wire_bytes_per_step": 2e6, "peak_rss_mb": 500.0, "extra": {}},
+            {"spec": "hylo", "ok": False, "step_time_s": None, "wire_bytes_per_step": None,
+             "peak_rss_mb": None, "extra": {}},
+        ]
+    }  # fmt: skip
+    prediction = {"step_s": 1.1, "mean_step_s": 1.2, "peak_rss_mb": 450.0,
+                  "wire_bytes_per_step": 2e6, "refused": None}  # fmt: skip
+    predicted.attach(result, {"ddp": prediction})
+    extra = result["runs"][0]["extra"]
+    assert extra["predicted_step_s"] == 1.1 and extra["predicted_peak_rss_mb"] == 450.0
+    assert "predicted_step_s" not in result["runs"][1]["extra"]
+    table = predicted.comparison(result)
+    assert "+10%" in table and "-10%" in table and "hylo" not in table

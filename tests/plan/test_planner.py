@@ -1,0 +1,155 @@
+"""The predictors' laws on a hand-made profile: what each family adds to a step, and bytes."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from lightning_parallel.pipeline.profile import LayerCost
+from lightning_parallel.plan.averaging import round_counts
+from lightning_parallel.plan.network import Cluster, all_gather, all_reduce, send
+from lightning_parallel.plan.planner import DEFAULT_SPECS, PREDICTORS, predict, ranked, scaling
+from lightning_parallel.plan.prediction import RunLength, median_of_steps
+from lightning_parallel.plan.profile import LayerProfile, ParameterShape, StepProfile
+
+MB = 2**20
+
+
+def _profile(layers: bool = True) -> StepProfile:
+    """Four equal layers of 1 MB of parameters, 10 ms forward and 20 ms backward each (per
+    whole batch of 32; half that per micro-batch of 8 is not linear on purpose: 4 ms / 8 ms)."""
+
+    def chain(forward: float, backward: float, output: int) -> tuple[LayerCost, ...]:
+        return tuple(LayerCost(forward, backward, 4 * output, output, MB) for _ in range(4))
+
+    profiles = (
+        LayerProfile(32, chain(0.010, 0.020, 64_000), 4_000),
+        LayerProfile(8, chain(0.004, 0.008, 16_000), 1_000),
+    )
+    return StepProfile(
+        batch_size=32, forward_s=0.040, backward_s=0.080, optimizer_s=0.010,
+        parameters=tuple(ParameterShape(f"w{i}", (512, 512)) for i in range(4)),
+        optimizer_state_bytes=4 * MB, activation_bytes=1_000_000, trainer_step_s=0.150,
+        peak_rss_bytes=500 * MB, layer_profiles=profiles if layers else (),
+    )  # fmt: skip
+
+
+def _cluster(bandwidth: str = "100mbit", hosts: int = 2) -> Cluster:
+    return Cluster.parse(hosts=hosts, processes_per_host=1, bandwidth=bandwidth, latency="1ms")
+
+
+def _one(spec: str, profile: StepProfile, cluster: Cluster, **options: object):
+    name = spec.partition(":")[0]
+    (prediction,) = predict(profile, cluster, [(spec, name, dict(options))])
+    assert prediction.refused is None, prediction.refused
+    return prediction
+
+
+def test_ddp_without_layer_times_waits_for_the_whole_allreduce() -> None:
+    profile, cluster = _profile(layers=False), _cluster()
+    transfer = all_reduce(cluster, 4 * MB)
+    ddp = _one("ddp", profile, cluster)
+    assert ddp.step_s == pytest.approx(profile.step_s + transfer.seconds)
+    assert ddp.wire_bytes_per_step == pytest.approx(transfer.wire_bytes)
+    assert ddp.peak_rss_mb == pytest.approx(500.0)
+
+
+def test_ddp_overlaps_buckets_with_backward_on_a_fast_link() -> None:
+    profile = _profile()
+    slow = _one("ddp", profile, _cluster("100mbit"))
+    fast = _one("ddp", profile, _cluster("100gbit"))
+    # on a fast link only the last bucket's allreduce after backward shows
+    assert fast.exposed_comm_s < 0.01 < slow.exposed_comm_s
+    assert fast.wire_bytes_per_step == pytest.approx(slow.wire_bytes_per_step)
+    fp16 = _one("ddp_fp16", profile, _cluster(), compression_ratio=2.0)
+    assert fp16.payload_bytes_per_step == pytest.approx(slow.payload_bytes_per_step / 2, rel=0.01)
+
+
+def test_averaging_median_is_the_local_step_and_rounds_are_counted() -> None:
+    profile, cluster = _profile(), _cluster()
+    averaging = _one("model_averaging", profile, cluster, algorithm="periodic", period=8)
+    loss = all_reduce(cluster, 8.0)
+    assert averaging.step_s == pytest.approx(profile.step_s + loss.seconds)
+    model = all_reduce(cluster, profile.parameter_bytes)
+    assert averaging.wire_bytes_per_step == pytest.approx(model.wire_bytes / 8 + loss.wire_bytes)
+    assert averaging.mean_step_s > averaging.step_s
+    # int8 codes are all-gathered: a quarter of the values' bytes
+    streaming = _one(
+        "diloco:int8", profile, cluster, algorithm="outer_optimizer", period=16, fragments=4,
+        sync_delay=4, outer_dtype="int8",
+    )  # fmt: skip
+    gathered = all_gather(cluster, profile.parameter_bytes / 4 / 4)
+    assert streaming.wire_bytes_per_step == pytest.approx(
+        4 / 16 * gathered.wire_bytes + loss.wire_bytes
+    )
+
+
+def test_round_counts_over_a_run() -> None:
+    assert round_counts(RunLength(), 8, 1) == 1 / 8
+    # the bench's vgg_mini runs (40 steps, epochs of 22): H = 8 rounds at 8, 16, 22 (the
+    # validation's), then 8 and 16 steps later; H = 16 at 16, 22 and 16 steps later
+    assert round_counts(RunLength(steps=40, epoch_steps=22), 8, 1) == 5 / 40
+    assert round_counts(RunLength(steps=40, epoch_steps=22), 16, 1) == 3 / 40
+    # an epoch ending on a round needs no extra one
+    assert round_counts(RunLength(steps=32, epoch_steps=16), 8, 1) == 4 / 32
+    # 4 fragments of H = 16 end rounds at 4, 8, 12, 16, ...
+    assert round_counts(RunLength(steps=32), 16, 4) == 8 / 32
+
+
+def test_the_parameter_server_mixes_fast_local_and_slow_remote_steps() -> None:
+    profile, cluster = _profile(), _cluster()
+    ps = _one("parameter_server", profile, cluster)
+    remote = ps.detail["remote_worker_step_s"]
+    transfer = send(cluster, profile.parameter_bytes)
+    assert remote == pytest.approx(
+        profile.step_s - profile.optimizer_s + 2 * transfer.seconds + profile.optimizer_s
+    )
+    # the server's worker steps more often: it holds the median
+    assert ps.step_s == pytest.approx(ps.detail["server_worker_step_s"])
+    assert ps.step_s < ps.mean_step_s < remote
+
+
+def test_gropipe_takes_fill_drain_and_refuses_an_odd_world() -> None:
+    profile = _profile()
+    fast = _one("gropipe", profile, _cluster("100gbit"), stages=2, micro_batches=4)
+    # stages of two layers: 2 x 12 ms a micro-batch, (4 + 2 - 1) slots, optimizer's half
+    assert fast.detail["boundaries"] == [2]
+    slots = 5 * 0.024
+    crossings = 2 * (4 + 2 - 2) * 0.001  # one latency per crossing on the critical path
+    summary = all_reduce(_cluster("100gbit"), 64.0).seconds
+    expected = slots + 0.005 + profile.overhead_s + crossings + summary
+    assert fast.step_s == pytest.approx(expected, rel=0.02)
+    assert fast.bubble_s == pytest.approx(slots - 4 * 0.024, rel=0.05)
+    (odd,) = predict(profile, _cluster(hosts=3), [("gropipe", "gropipe", {"stages": 2})])
+    assert odd.refused is not None and "multiple of stages" in odd.refused
+
+
+def test_spectrain_is_paced_by_its_slowest_stage_or_its_cut() -> None:
+    profile = _profile()
+    fast = _one("spectrain", profile, _cluster("100gbit"), stages=2)
+    assert fast.step_s == pytest.approx(0.060 + 0.010 + profile.overhead_s, rel=0.05)
+    slow = _one("spectrain", profile, _cluster("1mbit"), stages=2)
+    assert slow.step_s == pytest.approx(send(_cluster("1mbit"), 64_000).seconds, rel=0.01)
+
+
+def test_every_default_family_plans_ranks_and_scales() -> None:
+    profile, cluster = _profile(), _cluster()
+    strategies = [(name, name, {}) for name in DEFAULT_SPECS]
+    predictions = ranked(predict(profile, cluster, strategies))
+    assert {p.spec for p in predictions} == set(DEFAULT_SPECS)
+    speeds = [p.samples_per_s for p in predictions]
+    assert speeds == sorted(speeds, reverse=True)
+    assert all(math.isfinite(p.step_s) and p.step_s > 0 for p in predictions)
+    curves = scaling(profile, cluster, strategies, [2, 4, 1024])
+    assert [point[0] for point in curves["ddp"]] == [2, 4, 1024]
+    # a ring allreduce's bytes per host level off: 2 (W - 1) / W of the gradients
+    assert curves["ddp"][2][1] > curves["ddp"][0][1]
+    (unknown,) = predict(profile, cluster, [("nope", "nope", {})])
+    assert unknown.refused is not None and "no predictor" in unknown.refused
+    assert set(DEFAULT_SPECS) <= set(PREDICTORS)
+
+
+def test_median_of_a_step_mix() -> None:
+    assert median_of_steps([(1.0, 0.9), (5.0, 0.1)]) == 1.0
+    assert median_of_steps([(1.0, 0.3), (5.0, 0.7)]) == 5.0

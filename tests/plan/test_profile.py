@@ -1,0 +1,101 @@
+"""The plan's profile: what one step of a module costs, measured in one process."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lightning_parallel.plan.profile import (
+    StepProfile,
+    low_rank_seconds,
+    pipeline_layers,
+    profile_step,
+)
+
+
+class _Net(nn.Module):
+    """A module with a Lightning-like ``training_step`` and ``log`` (plain torch)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+        self.logged = 0
+        self.steps = 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.layers(x)
+
+    def log(self, *args: object, **kwargs: object) -> None:
+        self.logged += 1
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        self.steps += 1
+        self.log("loss", 0.0)
+        x, y = batch
+        return F.cross_entropy(self(x), y)
+
+
+def _batch() -> tuple[Tensor, Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    return torch.randn(8, 16, generator=generator), torch.randint(0, 4, (8,), generator=generator)
+
+
+def test_profile_step_times_each_part_and_counts_the_state() -> None:
+    net = _Net()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    profile = profile_step(net, _batch(), optimizer, repeats=3, warmup=1)
+    assert net.steps == 3 + 1 + 1  # warm-up, timed runs, the activation meter's forward
+    assert net.logged == 0  # log does nothing while profiling
+    assert profile.batch_size == 8
+    assert min(profile.forward_s, profile.backward_s, profile.optimizer_s) > 0
+    parameters = sum(p.numel() * 4 for p in net.parameters())
+    assert profile.parameter_bytes == parameters
+    assert profile.optimizer_state_bytes == parameters  # one momentum buffer per parameter
+    assert profile.activation_bytes > 0
+    assert profile.overhead_s == 0.0  # no trainer measured
+    assert profile.step_s == pytest.approx(profile.compute_s)
+
+
+def test_a_profile_survives_json_and_scales_its_layers() -> None:
+    net = _Net()
+    layers, error = pipeline_layers(net, _batch(), [1, 2], step_args=(0,), repeats=1)
+    assert error is None
+    assert [p.micro_batch for p in layers] == [8, 4]
+    profile = StepProfile(
+        batch_size=8, forward_s=0.1, backward_s=0.2, optimizer_s=0.05,
+        parameters=(), optimizer_state_bytes=0, activation_bytes=0, trainer_step_s=0.5,
+        layer_profiles=layers,
+    )  # fmt: skip
+    again = StepProfile.from_dict(json.loads(json.dumps(profile.as_dict())))
+    assert again == profile
+    assert again.overhead_s == pytest.approx(0.15)
+    assert again.layers_at(4) == layers[1]
+    doubled = again.layers_at(16)
+    assert doubled is not None and doubled.micro_batch == 16
+    first = layers[0].layers[0]
+    assert doubled.layers[0].forward_seconds == pytest.approx(2 * first.forward_seconds)
+    assert doubled.layers[0].output_bytes == 2 * first.output_bytes
+    assert doubled.layers[0].parameter_bytes == first.parameter_bytes
+
+
+def test_a_model_that_cannot_be_split_gives_the_reason() -> None:
+    class Opaque(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(3))
+
+        def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
+            return (batch * self.weight).sum()  # never calls a module
+
+    layers, error = pipeline_layers(Opaque(), torch.ones(4, 3), [1])
+    assert layers == () and error is not None and "called neither" in error
+
+
+def test_low_rank_work_grows_with_the_matrix() -> None:
+    small = low_rank_seconds((64, 64), 2, repeats=3)
+    large = low_rank_seconds((1024, 1024), 2, repeats=3)
+    assert 0 < small < large

@@ -1,0 +1,53 @@
+"""The plan against the bench on a model whose layers take known times (they sleep).
+
+A sleep takes its time whatever else the machine runs, so the step times measured here are the
+laws' test, not the machine's: how each strategy family arranges compute, communication,
+rounds, asynchrony and pipeline bubbles. ``bench --predict`` profiles the model in a process of
+its own, trains it under one strategy of each family on two loopback hosts, and puts the plan's
+prediction beside each run; every median step must be within 5% of its prediction.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from lightning_parallel.bench.command import main as bench_main
+
+TESTS = Path(__file__).parents[1]
+MODEL = "helpers.sleep_model.SleepNet"
+DATA = "helpers.sleep_model.SleepData"
+FAMILIES = [
+    "ddp",
+    "ddp_powersgd",
+    "hylo",
+    "model_averaging",
+    "diloco",
+    "parameter_server",
+    "gropipe",
+    "spectrain",
+]
+
+
+@pytest.mark.slow
+def test_every_family_is_predicted_within_five_percent(tmp_path, monkeypatch):
+    paths = [str(TESTS), *filter(None, [os.environ.get("PYTHONPATH")])]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(paths))
+    out = tmp_path / "out.json"
+    argv = ["--network", "local", "--hosts", "2", "--model", MODEL, "--data", DATA,
+            "--max-steps", "24", "--warmup-steps", "6", "--predict", "--json", str(out),
+            "--timeout", "300"]  # fmt: skip
+    for spec in FAMILIES:
+        argv += ["-s", spec]
+    assert bench_main(argv) == 0
+    runs = json.loads(out.read_text())["runs"]
+    errors = {}
+    for run in runs:
+        predicted = run["extra"]["predicted_step_s"]
+        measured = run["step_time_s"]["median"]
+        errors[run["spec"]] = (predicted - measured) / measured
+    assert sorted(errors) == sorted(FAMILIES)
+    assert all(abs(error) <= 0.05 for error in errors.values()), errors
