@@ -34,7 +34,8 @@ _TOOLS = {
     "plan": "lightning_parallel.bench.plan",
 }
 _USAGE = (
-    "usage: lightning-parallel {fit,validate,test,predict,cluster,bench,plan,codecs,strategies} ...\n"
+    "usage: lightning-parallel\n"
+    "       {fit,validate,test,predict,cluster,bench,plan,codecs,strategies} ...\n"
     "       lightning-parallel fit --help   (and likewise for every subcommand)\n"
 )
 

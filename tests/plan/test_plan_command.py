@@ -4,7 +4,6 @@ cluster, and ``bench --predict``'s figures beside the measured ones."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
