@@ -59,6 +59,13 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--intra-bandwidth", default=None, help="between processes of a host")
     parser.add_argument("--intra-latency", default=None)
     parser.add_argument("--hosts-per-link", type=int, default=1, help="hosts sharing an uplink")
+    parser.add_argument(
+        "--straggler",
+        type=float,
+        default=1.0,
+        metavar="FACTOR",
+        help="one worker computes FACTOR times slower (the bench's --straggler RANK:FACTOR)",
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch threads while profiling")
     parser.add_argument(
         "--accelerator-tflops",
@@ -74,7 +81,7 @@ def _parser() -> argparse.ArgumentParser:
         default=0.4,
         help="share of --accelerator-tflops the model reaches (default 0.4)",
     )
-    parser.add_argument("--profile-steps", type=int, default=10, help="steps of the profile's fit")
+    parser.add_argument("--profile-steps", type=int, default=8, help="steps of the profile's fit")
     parser.add_argument(
         "--scale", default="2,4,8,16,32,64,128,256,512,1024",
         help="host counts for the scaling plot and JSON",
@@ -154,7 +161,7 @@ def profile_module(
     datamodule: Any,
     *,
     micro_batches: list[int] | tuple[int, ...] = (1,),
-    steps: int = 10,
+    steps: int = 8,
     threads: int = 1,
     seed: int = 0,
 ) -> Any:
@@ -165,7 +172,7 @@ def profile_module(
     import torch
 
     from lightning_parallel.compat.namespaces import PYTORCH_LIGHTNING, of_object
-    from lightning_parallel.plan.profile import pipeline_layers, profile_step
+    from lightning_parallel.plan.profile import codec_timings, pipeline_layers, profile_step
 
     lightning = (of_object(model) or PYTORCH_LIGHTNING).module()
     # Lightning's CPU accelerator gives each process cores // processes threads unless
@@ -184,7 +191,7 @@ def profile_module(
     )  # fmt: skip
     trainer.fit(model, datamodule=datamodule)
     torch.set_num_threads(threads)
-    warmup = min(3, max(0, len(probe.step_seconds) - 1))
+    warmup = min(2, max(0, len(probe.step_seconds) - 1))
     steady = sorted(probe.step_seconds[warmup:])
     trainer_step = steady[len(steady) // 2] if steady else None
     loader = datamodule.train_dataloader()
@@ -192,12 +199,13 @@ def profile_module(
     samples = len(loader.dataset) if hasattr(loader, "dataset") else None
     # the trained model profiles as the untrained one would: the same work per step
     optimizer = _first_optimizer(model.configure_optimizers())
-    profile = profile_step(model, batch, optimizer, repeats=5, warmup=2)
+    profile = profile_step(model, batch, optimizer, repeats=4, warmup=1)
     # the chain's layers at every micro-batch size asked for (the whole batch too: DDP's
     # gradients become ready layer by layer)
-    layers, error = pipeline_layers(model, batch, sorted({1, *micro_batches}), repeats=3)
+    layers, error = pipeline_layers(model, batch, sorted({1, *micro_batches}), repeats=2)
     return replace(
         profile,
+        codec_seconds=codec_timings(profile.parameters),
         trainer_step_s=trainer_step,
         base_rss_bytes=base,
         peak_rss_bytes=probe.peak_rss_bytes or None,
@@ -237,7 +245,7 @@ def plan(
     cluster: Any,
     specs: list[str] | tuple[str, ...] | None = None,
     *,
-    steps: int = 10,
+    steps: int = 8,
     threads: int = 1,
 ) -> list[Any]:
     """Predict each strategy of ``specs`` (default: one of each family) for ``model`` trained on
@@ -352,13 +360,13 @@ def run_plan(args: argparse.Namespace) -> dict[str, Any]:
     if args.accelerator_tflops is not None:
         profile = profile.on_accelerator(args.accelerator_tflops * 1e12 * args.utilization)
     cluster = cluster_of(args)
-    predictions = ranked(predict(profile, cluster, strategies))
+    predictions = ranked(predict(profile, cluster, strategies, straggler=args.straggler))
     hosts = [int(h) for h in str(args.scale).split(",") if h.strip()]
-    curves = scaling(profile, cluster, strategies, hosts)
+    curves = scaling(profile, cluster, strategies, hosts, straggler=args.straggler)
     return {
         "cluster": {
             "hosts": cluster.hosts, "processes_per_host": cluster.processes_per_host,
-            "bandwidth": args.bandwidth, "latency": args.latency,
+            "bandwidth": args.bandwidth, "latency": args.latency, "straggler": args.straggler,
         },
         "model": args.model,
         "batch_size": args.batch_size,

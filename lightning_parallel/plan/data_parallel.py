@@ -15,7 +15,7 @@ bound).
 **PowerSGD** (torch's hook, rank ``r``, matrices worth compressing: ``n m / ((n + m) r) > 2``):
 per bucket three allreduces in a row (the uncompressed tensors, then every ``P = M Q``, then
 every ``Q = M^T P``) and the compression work on the core before them (timed in the profile,
-:func:`~lightning_parallel.plan.profile.low_rank_seconds`).
+:func:`~lightning_parallel.plan.profile.codec_timings`).
 
 **Hylo** (defaults: rank-8 factors for convolution and fully-connected weights of at least
 8,192 values, everything else dense): every low-rank layer's ``P`` fused into one allreduce,
@@ -33,7 +33,7 @@ from typing import Any
 from lightning_parallel.plan.memory import EXTRA_PARAMETER_COPIES, peak_rss_mb
 from lightning_parallel.plan.network import Cluster, Transfer, all_reduce
 from lightning_parallel.plan.prediction import STEADY, Prediction, RunLength, Traffic
-from lightning_parallel.plan.profile import ParameterShape, StepProfile, low_rank_seconds
+from lightning_parallel.plan.profile import ParameterShape, StepProfile
 
 __all__: list[str] = []
 
@@ -167,7 +167,7 @@ def predict_powersgd(
         4.0 * sum(_matrix(p.shape)) * min(rank, *_matrix(p.shape)) for p in compressed
     )
     dense_bytes = profile.parameter_bytes - sum(p.nbytes for p in compressed)
-    work = sum(low_rank_seconds(p.shape, rank) for p in compressed)
+    work = sum(profile.low_rank_s(p.shape, rank) for p in compressed)
     # the compressed share of every bucket, in proportion to its bytes
     share = (factor_bytes + dense_bytes) / max(1.0, profile.parameter_bytes)
     bucket_list = buckets(ready_times(profile), share)
@@ -223,7 +223,7 @@ def predict_hylo(
             continue
         rows, cols = _matrix(parameter.shape)
         factors = 4.0 * (rows + cols) * min(rank, rows, cols)
-        codec = low_rank_seconds(parameter.shape, rank)
+        codec = profile.low_rank_s(parameter.shape, rank)
         saved = all_reduce(cluster, parameter.nbytes).payload_bytes * seconds_per_byte
         spent = all_reduce(cluster, factors).payload_bytes * seconds_per_byte + codec
         if spent < saved:

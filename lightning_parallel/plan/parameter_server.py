@@ -10,11 +10,14 @@ gradient with the user's optimizer (``optimizer_s`` of the profile a gradient). 
   bytes back): its step is the local step, the two transfers, and the shard's work on its
   gradient.
 
+The server's uplink carries every remote worker's pull, so the remote workers together pull
+at most one model at a time: a remote step is at least ``(W − K)`` pulls long (``K`` workers
+on the server's host). A straggler (``straggler_factor``) slows only its own steps.
+
 The workers do not wait for each other, so each runs at its own rate: steps of rank ``r`` are
 a share ``rate_r / Σ rate`` of all steps, and the bench's median is taken over that mix. The
-bench counts bytes per step of rank 0: a remote host sends ``P·rate_remote/rate_0`` and the
-server's host ``(W − 1)·P·rate_remote/rate_0`` per rank-0 step. The rates are solved by a few
-rounds of fixed-point iteration (the server's core is shared).
+bench counts bytes per step of rank 0 and averages its hosts: all hosts together send the
+remote workers' pushes and the server's pulls, ``2P`` for each remote step.
 """
 
 from __future__ import annotations
@@ -50,30 +53,48 @@ def predict_parameter_server(
     shards = int(options.get("shards", 1) or 1)
     # more shards spread the server over hosts: not modelled yet
     note = f"shards={shards} predicted as one shard" if shards != 1 else ""
-    world = cluster.world
-    remote = world - 1
+    straggler = float(options.get("straggler_factor", 1.0))
+    near = cluster.processes_per_host  # workers on the server's host: no inter-host link
+    remote = cluster.world - near
     push = send(cluster, profile.parameter_bytes)
     pull = send(cluster, profile.parameter_bytes)
     apply_s = profile.optimizer_s
     local = profile.step_s - profile.optimizer_s  # the worker's own optimizer does not run
-    remote_step = local + push.seconds + pull.seconds + apply_s
-    server_step = local + apply_s
-    for _ in range(20):
-        # the shard's work for the remote workers' gradients, per step of rank 0
-        ratio = server_step / remote_step
-        server_step = local + apply_s * (1.0 + remote * ratio)
-    rate_server, rate_remote = 1.0 / server_step, 1.0 / remote_step
-    total = rate_server + remote * rate_remote
-    steps = [(server_step, rate_server / total), (remote_step, remote * rate_remote / total)]
-    per_rank0_step = rate_remote / rate_server
-    remote_wire = push.wire_bytes * per_rank0_step
-    server_wire = remote * pull.wire_bytes * per_rank0_step
+    # a remote worker: its step, the two transfers, the shard's work on its gradient; the
+    # server's uplink carries every remote worker's pull: at most one pull at a time
+    remote_step = max(
+        local + push.seconds + pull.seconds + apply_s,
+        remote * (pull.seconds - cluster.inter.latency),
+    )
+    slow_step = max(remote_step, local * straggler + push.seconds + pull.seconds + apply_s)
+    stragglers = 1 if straggler > 1.0 and remote > 0 else 0
+    rate_others = (
+        (remote - stragglers) / remote_step
+        + stragglers / slow_step
+        + (near - 1) / (local + apply_s)
+    )
+    # the shard's thread shares the server worker's core: its work for the others' gradients
+    # slows that worker's steps
+    busy = min(0.9, apply_s * rate_others)
+    server_step = (local + apply_s) / (1.0 - busy)
+    rate_server = 1.0 / server_step
+    shares = [
+        (server_step, rate_server),
+        (local + apply_s, (near - 1) / (local + apply_s)),
+        (remote_step, (remote - stragglers) / remote_step),
+        (slow_step, stragglers / slow_step),
+    ]
+    total = sum(rate for _, rate in shares)
+    steps = [(seconds, rate / total) for seconds, rate in shares if rate > 0]
+    # the bench counts bytes per step of rank 0 (the server's worker)
+    remote_rate = total - rate_server - (near - 1) / (local + apply_s)
+    per_rank0_step = remote_rate / rate_server
     hosts = cluster.hosts
-    wire = (server_wire + (hosts - 1) * remote_wire) / hosts if hosts > 1 else 0.0
+    server_wire = pull.wire_bytes * per_rank0_step
+    others_wire = push.wire_bytes * per_rank0_step
+    wire = (server_wire + others_wire) / hosts if hosts > 1 else 0.0
     payload = (
-        (remote * pull.payload_bytes + (hosts - 1) * push.payload_bytes) * per_rank0_step / hosts
-        if hosts > 1
-        else 0.0
+        (pull.payload_bytes + push.payload_bytes) * per_rank0_step / hosts if hosts > 1 else 0.0
     )
     mean = mean_of_steps(steps)
     extra = EXTRA_PARAMETER_COPIES["parameter_server"] * profile.parameter_bytes
@@ -88,10 +109,11 @@ def predict_parameter_server(
         wire_bytes_per_step=wire,
         payload_bytes_per_step=payload,
         peak_rss_mb=peak_rss_mb(profile, extra),
-        samples_per_s=profile.batch_size * (rate_server + remote * rate_remote),
+        samples_per_s=profile.batch_size * total,
         detail={
             "server_worker_step_s": server_step,
             "remote_worker_step_s": remote_step,
+            "straggler_step_s": slow_step if stragglers else None,
             "state_bytes": model_state_bytes(profile),
             **({"note": note} if note else {}),
         },

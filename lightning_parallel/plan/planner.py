@@ -62,11 +62,16 @@ def predict(
     cluster: Cluster,
     strategies: Sequence[tuple[str, str, dict[str, Any]]],
     run: RunLength = STEADY,
+    straggler: float = 1.0,
 ) -> list[Prediction]:
     """One prediction per ``(spec text, strategy name, options)``; a name without a predictor
     gives a prediction that says so (never an error: the other strategies are still planned).
-    ``run``: the run whose bytes per step are predicted (default: the steady state)."""
+    ``run``: the run whose bytes per step are predicted (default: the steady state).
+    ``straggler``: one worker computes this many times slower; it paces every synchronous
+    strategy (each step, or each averaging step through the per-step loss all-reduce, waits
+    for it) and only itself on the parameter server."""
     out = []
+    slowed = profile.scaled(straggler) if straggler != 1.0 else profile
     for text, name, options in strategies:
         predictor = PREDICTORS.get(name)
         if predictor is None:
@@ -75,7 +80,11 @@ def predict(
         if cluster.world < 2:
             out.append(refused(text, name, "a cluster of one process has nothing to plan"))
             continue
-        out.append(predictor(text, profile, cluster, options, run))
+        if predictor is predict_parameter_server:
+            options = {**options, "straggler_factor": straggler}
+            out.append(predictor(text, profile, cluster, options, run))
+        else:
+            out.append(predictor(text, slowed, cluster, options, run))
     return out
 
 
@@ -95,13 +104,14 @@ def scaling(
     cluster: Cluster,
     strategies: Sequence[tuple[str, str, dict[str, Any]]],
     hosts: Sequence[int],
+    straggler: float = 1.0,
 ) -> dict[str, list[tuple[int, float, float]]]:
     """For each spec: ``(workers, median step s, samples/s)`` on ``cluster``'s links with each
     number of ``hosts`` (refused points left out)."""
     curves: dict[str, list[tuple[int, float, float]]] = {text: [] for text, _, _ in strategies}
     for count in hosts:
         sized = replace(cluster, hosts=count)
-        for prediction in predict(profile, sized, strategies):
+        for prediction in predict(profile, sized, strategies, straggler=straggler):
             if prediction.refused is None:
                 curves[prediction.spec].append(
                     (sized.world, prediction.step_s, prediction.samples_per_s)

@@ -99,9 +99,21 @@ class StepProfile:
     peak_rss_bytes: float | None = None
     threads: int = 1
     flops: float = 0.0
+    codec_seconds: dict[str, float] = field(default_factory=dict)
+    compute_scale: float = 1.0
     layer_profiles: tuple[LayerProfile, ...] = ()
     pipeline_error: str | None = None
     notes: dict[str, Any] = field(default_factory=dict)
+
+    def low_rank_s(self, shape: Sequence[int], rank: int) -> float:
+        """One low-rank round trip's work for a gradient of ``shape`` at ``rank``: from the
+        profile (:func:`codec_timings`), else timed now; either at the profile's compute
+        scale (:meth:`scaled`)."""
+        key = codec_key(shape, rank)
+        seconds = self.codec_seconds.get(key)
+        if seconds is None:
+            seconds = low_rank_seconds(shape, rank)
+        return seconds * self.compute_scale
 
     @property
     def parameter_bytes(self) -> int:
@@ -124,16 +136,9 @@ class StepProfile:
         """One process's step: compute and the trainer's overhead."""
         return self.compute_s + self.overhead_s
 
-    def on_accelerator(self, flops_per_second: float) -> StepProfile:
-        """This profile with its compute on a device that runs the counted operations at
-        ``flops_per_second`` (its peak times the utilization the user expects): forward,
-        backward, optimizer and every layer's times scaled by one factor, the counted
-        operations' time over the measured time; memory and the trainer's own time kept.
-        A prediction from it is a prediction, not a calibration: the factor holds only where
-        the device's speed on this model's operations is what is given."""
-        if self.flops <= 0 or flops_per_second <= 0:
-            raise ValueError("on_accelerator needs counted operations and a positive rate")
-        factor = self.flops / flops_per_second / max(1e-12, self.forward_s + self.backward_s)
+    def scaled(self, factor: float) -> StepProfile:
+        """This profile with its compute (forward, backward, optimizer, every layer) ``factor``
+        times as long; memory and the trainer's own time kept."""
         layers = tuple(
             replace(
                 profile,
@@ -148,15 +153,36 @@ class StepProfile:
             )
             for profile in self.layer_profiles
         )
+        trainer = None if self.trainer_step_s is None else self.overhead_s + self.compute_s * factor
         return replace(
             self,
             forward_s=self.forward_s * factor,
             backward_s=self.backward_s * factor,
             optimizer_s=self.optimizer_s * factor,
-            trainer_step_s=None
-            if self.trainer_step_s is None
-            else self.overhead_s + self.compute_s * factor,
+            trainer_step_s=trainer,
             layer_profiles=layers,
+            compute_scale=self.compute_scale * factor,
+        )
+
+    def on_accelerator(
+        self, flops_per_second: float, overhead_s: float | None = None
+    ) -> StepProfile:
+        """This profile with its compute on a device that runs the counted operations at
+        ``flops_per_second`` (its peak times the utilization the user expects): compute scaled
+        by one factor (:meth:`scaled`), the counted operations' time over the measured time;
+        ``overhead_s``: the trainer's own time a step on that host (default: as measured
+        here). A prediction from it is a prediction, not a calibration: the factor holds only
+        where the device's speed on this model's operations is what is given."""
+        if self.flops <= 0 or flops_per_second <= 0:
+            raise ValueError("on_accelerator needs counted operations and a positive rate")
+        factor = self.flops / flops_per_second / max(1e-12, self.forward_s + self.backward_s)
+        faster = self.scaled(factor)
+        trainer = faster.trainer_step_s
+        if overhead_s is not None:
+            trainer = faster.compute_s + overhead_s
+        return replace(
+            faster,
+            trainer_step_s=trainer,
             notes={**self.notes, "accelerator_flops_per_second": flops_per_second},
         )
 
@@ -363,3 +389,28 @@ def low_rank_seconds(shape: Sequence[int], rank: int, repeats: int = 3) -> float
         if index:
             samples.append(clock() - start)
     return _median_seconds(samples)
+
+
+def codec_key(shape: Sequence[int], rank: int) -> str:
+    """The key of a low-rank timing: the matrix's ``rows x cols`` and the rank."""
+    rows = int(shape[0])
+    cols = 1
+    for size in shape[1:]:
+        cols *= int(size)
+    return f"{rows}x{cols}@{min(rank, rows, cols)}"
+
+
+def codec_timings(
+    parameters: Sequence[ParameterShape], ranks: Sequence[int] = (2, 8)
+) -> dict[str, float]:
+    """:func:`low_rank_seconds` of every distinct matrix shape among ``parameters`` (two or
+    more dimensions) at each of ``ranks`` (PowerSGD's default 2, Hylo's 8)."""
+    timings: dict[str, float] = {}
+    for parameter in parameters:
+        if len(parameter.shape) < 2:
+            continue
+        for rank in ranks:
+            key = codec_key(parameter.shape, rank)
+            if key not in timings:
+                timings[key] = low_rank_seconds(parameter.shape, rank)
+    return timings

@@ -153,3 +153,16 @@ def test_every_default_family_plans_ranks_and_scales() -> None:
 def test_median_of_a_step_mix() -> None:
     assert median_of_steps([(1.0, 0.9), (5.0, 0.1)]) == 1.0
     assert median_of_steps([(1.0, 0.3), (5.0, 0.7)]) == 5.0
+
+
+def test_a_straggler_paces_synchronous_steps_but_only_itself_on_the_parameter_server() -> None:
+    profile, cluster = _profile(layers=False), _cluster("100gbit", hosts=4)
+    strategies = [("ddp", "ddp", {}), ("parameter_server", "parameter_server", {})]
+    even = {p.spec: p for p in predict(profile, cluster, strategies)}
+    slow = {p.spec: p for p in predict(profile, cluster, strategies, straggler=3.0)}
+    assert slow["ddp"].step_s == pytest.approx(even["ddp"].step_s + 2 * profile.compute_s, rel=0.01)
+    ps = slow["parameter_server"]
+    assert ps.detail["straggler_step_s"] > 2.5 * profile.compute_s
+    # the others keep their pace: the median step is unchanged, throughput barely drops
+    assert ps.step_s == pytest.approx(even["parameter_server"].step_s, rel=0.05)
+    assert ps.samples_per_s > 0.8 * even["parameter_server"].samples_per_s
