@@ -60,6 +60,13 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--intra-latency", default=None)
     parser.add_argument("--hosts-per-link", type=int, default=1, help="hosts sharing an uplink")
     parser.add_argument(
+        "--framing",
+        choices=("veth", "ethernet"),
+        default="veth",
+        help="what the interface counters count: veth (the simulated hosts: one header a GSO "
+        "packet) or ethernet (a NIC counting every segment, an ACK every second one)",
+    )
+    parser.add_argument(
         "--straggler",
         type=float,
         default=1.0,
@@ -288,9 +295,9 @@ def _first_optimizer(configured: Any) -> Any:
 
 def cluster_of(args: argparse.Namespace) -> Any:
     """The cluster the arguments describe."""
-    from lightning_parallel.plan.network import Cluster
+    from lightning_parallel.plan.network import ETHERNET, VETH, Cluster
 
-    return Cluster.parse(
+    cluster = Cluster.parse(
         hosts=args.hosts,
         processes_per_host=args.procs_per_host,
         bandwidth=args.bandwidth,
@@ -299,6 +306,7 @@ def cluster_of(args: argparse.Namespace) -> Any:
         intra_latency=args.intra_latency,
         hosts_per_link=args.hosts_per_link,
     )
+    return replace(cluster, framing=ETHERNET if args.framing == "ethernet" else VETH)
 
 
 def predictions_for(

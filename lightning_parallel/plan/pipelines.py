@@ -16,9 +16,13 @@ gradients are all-reduced among its ``W/p`` replicas when its last backward ends
 ``k`` ends ``k`` micro-batch slots before stage 0, so that much of its all-reduce is hidden.
 
 **SpecTrain** (one micro-batch a step, never flushed): stages work on different batches at
-once, so a step takes the slowest stage's busy time per batch (forward, backward, optimizer
-step and weight prediction, the trainer's time) or the transfer of the cut's activation
-(its gradient comes back on the other host's link at the same time), whichever is longer.
+once, each busy ``busy_k`` a step (forward, backward, optimizer step and weight prediction,
+the trainer's time). Stage ``k`` starts its step once the step's activation has come through
+stages ``0..k−1`` (``lag_k = Σ_{j<k} (f_j + transfer_j)``), and stage 0 starts the next step
+once every stage has posted the step's telemetry all-reduce, so a step lasts
+``max_k (lag_k + busy_k)``, or the cut's transfer where the link is slower (the gradient comes
+back on the other host's link at the same time). On the sleeping test model: 0.171 s measured;
+the slowest stage alone would say 0.142 s.
 """
 
 from __future__ import annotations
@@ -235,14 +239,26 @@ def predict_spectrain(
     traffic = Traffic()
     transfer_s = 0.0
     pipeline = _pipeline_cluster(cluster, stages)
+    crossing = []
     for nbytes in cut_bytes:
         transfer = send(pipeline, nbytes)
+        crossing.append(transfer.seconds)
         transfer_s = max(transfer_s, micro * transfer.seconds)
         if crosses_hosts:
             # one activation forward and one gradient back per micro-batch, on two hosts
             traffic.add(transfer, times=2.0 * micro / stages, waited=False)
     _link_probe(traffic, cluster, stages, run)
-    step = max(max(busy), transfer_s)
+    # stage k starts a step once the step's activation has come through stages 0..k-1, and
+    # stage 0 starts the next step once every stage has posted this step's telemetry
+    # all-reduce: a step lasts the longest of lag_k + busy_k
+    forward = [
+        micro * sum(c.forward_seconds for c in layers.layers[a:b])
+        for a, b in itertools.pairwise(edges)
+    ]
+    lag = [0.0]
+    for k in range(1, stages):
+        lag.append(lag[-1] + forward[k - 1] + crossing[k - 1])
+    step = max(max(start + work for start, work in zip(lag, busy)), transfer_s)
     activations = [
         float(sum(c.activation_bytes for c in layers.layers[a:b])) * (stages - k)
         for k, (a, b) in enumerate(itertools.pairwise(edges))
