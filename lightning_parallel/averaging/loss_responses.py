@@ -4,7 +4,7 @@
 that watches the replicas' mean training loss (one scalar all-reduced per local step) with the
 rules of :mod:`~lightning_parallel.averaging.plateau` and answers them: a window of synchronous
 steps where the loss leaves its initial plateau (:class:`PlateauExit`), and a roll-back of every
-replica to the last agreed point after a loss spike (:class:`LossSpike`).
+replica to the last agreed point after a loss spike or regression (:class:`LossSpike`).
 """
 
 from __future__ import annotations
@@ -104,6 +104,7 @@ class LossResponses(ReplicaState):
         ):
             self._rollback_due = True
             self.ledger.set_gauge("loss_spikes", self.spike.spikes)
+            self.ledger.set_gauge("loss_regressions", self.spike.regressions)
 
     def _roll_back(self) -> None:
         """Every replica restarts from the last agreed point, optimizer state and averagers
@@ -129,9 +130,12 @@ class LossResponses(ReplicaState):
         self.ledger.set_gauge("rollbacks", self.rollbacks)
 
     def _keep_safe_point(self) -> None:
-        """Remember the live model as the point to roll back to (replicas in consensus)."""
+        """Remember the live model as the point to roll back to (replicas in consensus, the
+        loss not climbing back towards where training started)."""
         if self.spike is None or self._keep_agreement or len(self.fragments) > 1:
             return
+        if self.spike.unsettled and self._safe_point is not None:
+            return  # the loss is climbing back: keep the point from before the climb
         tensors = self._model_tensors()
         if self._safe_point is None:
             self._safe_point = [tensor.detach().clone() for tensor in tensors]

@@ -1,4 +1,4 @@
-"""Rules on the replicas' mean training loss: leaving the initial plateau, and a spike."""
+"""Rules on the replicas' mean training loss: leaving the initial plateau, a spike, a regression."""
 
 from __future__ import annotations
 
@@ -93,70 +93,154 @@ class PlateauExit:
 
 
 class LossSpike:
-    """Say when one step's mean training loss jumps far above its recent, smoothed level.
+    """Say when the mean training loss jumps far above its recent level, or climbs back to
+    where training started, after it had fallen well below it, and stays there.
 
-    Rule (``ratio`` ``r``, ``smoothing`` ``s``, one observation ``ℓ_t`` per optimizer step, the
-    loss averaged over the ranks, so that every rank takes the same decision):
+    Rule (``ratio`` ``r``, ``smoothing`` ``s``, ``regression`` ``c``, ``patience`` ``K``,
+    ``armed_drop`` ``δ``; one observation ``ℓ_t`` per optimizer step, the loss averaged over
+    the ranks, so that every rank takes the same decision). ``L`` is the smoothed loss of the
+    steps that were not spikes, ``L_t = s·L_{t−1} + (1 − s)·ℓ_t`` (``L_1 = ℓ_1``); ``P`` the
+    highest ``L`` while the rule is not armed (where training started: the initial plateau's
+    level; with ``c = None`` the highest ever, as before the regression existed); ``B`` the
+    lowest ``L`` since the last regression:
 
-    1. ``ℓ_t`` is a spike when ``ℓ_t > r·L_{t−1}`` and ``ℓ_t > P_{t−1}``, where ``L`` is the
-       smoothed loss of the steps that were not spikes, ``L_t = s·L_{t−1} + (1 − s)·ℓ_t``
-       (``L_1 = ℓ_1``), and ``P`` the highest ``L`` so far (where training started: the
-       initial plateau's level);
-    2. a spike leaves ``L`` as it was (the level it is measured against stays the healthy one).
+    1. a **spike**: ``ℓ_t > r·L_{t−1}`` and ``ℓ_t > P``; it leaves ``L`` as it was (the level
+       it is measured against stays the healthy one);
+    2. the rule is **armed** once ``L ≤ (1 − δ)·P``: the loss has left where it started;
+    3. a **regression** (``c`` not ``None``): armed, and ``L ≥ B + c·(P − B)`` (``c = 1``: back
+       at the starting level) for ``K`` steps in a row; the rule is then disarmed and ``B``
+       restarts at ``L``, so it fires again only after the loss has fallen ``δ`` below ``P``
+       once more (a roll-back to a point that is itself on the plateau does not repeat);
+    4. while armed and ``L ≥ B + c·(P − B)/2`` the loss is :attr:`unsettled`: the caller keeps
+       no new point to roll back to (a round inside the climb would otherwise become it).
 
-    The second condition keeps late training's noise out: once the loss is small, a batch
-    twice as hard as the recent ones is ordinary (``vgg_mini`` seed 0 rolled back at such
-    steps without it, and ended 0.894 where it had reached 0.925), while a step worse than the
-    untrained model is not.
+    The second condition of the spike keeps late training's noise out: once the loss is small,
+    a batch twice as hard as the recent ones is ordinary (``vgg_mini`` seed 0 rolled back at
+    such steps without it, and ended 0.894 where it had reached 0.925), while a step worse than
+    the untrained model is not.
 
     Why: where the loss leaves a plateau (the bundled ``vgg_mini`` on digits) training is on
     the edge of stability; with momentum 0.9 one bad step can take a replica's loss from 1.6 to
     6 or 7 and its weights onto a dead, constant-output point (loss ``ln 10``) where the
     average of the replicas stays for epochs (seed 3: DDP's own spike reached 2.9 and it
-    recovered, the averaged runs' did not). :class:`~lightning_parallel.averaging.ReplicaAveraging`
-    answers a spike by restarting every replica from the last point they agreed on, with the
-    inner optimizer's state and the outer (block) momentum restarted from zero.
+    recovered, the averaged runs' did not). The same fall can take two or three steps, none
+    of them twice the smoothed level (``bmuf`` seed 2: 1.56, 2.69, 3.50, then 2.30 for 40
+    steps; ``diloco`` seed 3: 1.49, 2.15, 3.57, then 2.29 for 30 steps): the regression
+    catches it, where the smoothed loss stays at or above the start (2.30) for 3 steps. One
+    step back at the start is not enough: ``model_averaging`` seed 2 went 1.61, 2.08, 3.28,
+    then 2.1 to 2.25 for 10 steps and recovered (0.925; rolled back at the 3.28 it died).
+    :class:`~lightning_parallel.averaging.ReplicaAveraging` answers either by restarting every
+    replica from the last point they agreed on while the loss was settled, with the inner
+    optimizer's state and the outer (block) momentum restarted from zero.
 
     Args:
         ratio: ``r > 1``: how many times the smoothed loss a step's loss must exceed (larger:
             fewer restarts; DDP's healthy steps on ``vgg_mini`` stayed under 1.9).
         smoothing: ``s`` in ``[0, 1)`` (larger: a steadier level, slower to follow a falling
             loss).
+        regression: ``c`` in ``(0, 1]``: the share of the way back from the lowest smoothed
+            loss to the starting level that counts (larger: fires later, only on a loss
+            nearly back at the start); ``None``: spikes only (the former rule).
+        patience: ``K ≥ 1``: the steps in a row the smoothed loss must stay back there
+            (larger: fewer roll-backs, and later ones).
+        armed_drop: ``δ`` in ``(0, 1)``: how far below the starting level the smoothed loss
+            must have fallen before a climb back can count (larger: fewer regressions; it must
+            exceed the plateau's noise, a few tenths of a percent on ``vgg_mini``).
     """
 
-    def __init__(self, ratio: float = 2.0, smoothing: float = 0.7) -> None:
+    def __init__(
+        self,
+        ratio: float = 2.0,
+        smoothing: float = 0.7,
+        regression: float | None = 1.0,
+        patience: int = 3,
+        armed_drop: float = 0.15,
+    ) -> None:
         if isinstance(ratio, bool) or not float(ratio) > 1.0:
             raise ValueError(f"ratio must be above 1 (times the smoothed loss), got {ratio!r}")
         if isinstance(smoothing, bool) or not 0.0 <= float(smoothing) < 1.0:
             raise ValueError(f"smoothing must be in [0, 1), got {smoothing!r}")
+        if regression is not None and (
+            isinstance(regression, bool) or not 0.0 < float(regression) <= 1.0
+        ):
+            raise ValueError(
+                f"regression must be in (0, 1] (a share of the way back to the starting loss) "
+                f"or None (spikes only), got {regression!r}"
+            )
+        if isinstance(patience, bool) or int(patience) != patience or patience < 1:
+            raise ValueError(f"patience must be a positive number of steps, got {patience!r}")
+        if isinstance(armed_drop, bool) or not 0.0 < float(armed_drop) < 1.0:
+            raise ValueError(
+                f"armed_drop must be in (0, 1) (a relative fall of the loss), got {armed_drop!r}"
+            )
         self.ratio = float(ratio)
         self.smoothing = float(smoothing)
+        self.regression = None if regression is None else float(regression)
+        self.patience = int(patience)
+        self.armed_drop = float(armed_drop)
         self.smoothed: float | None = None
         self.highest: float | None = None
+        self.lowest: float | None = None
+        self.armed = False  # the smoothed loss has fallen armed_drop below the highest
+        self.back = 0  # steps in a row with the smoothed loss back at the mark
         self.spikes = 0
+        self.regressions = 0
+
+    def _mark(self, share: float) -> float:
+        assert self.lowest is not None and self.highest is not None
+        return self.lowest + share * (self.highest - self.lowest)
+
+    @property
+    def unsettled(self) -> bool:
+        """Whether the smoothed loss is climbing back: no point should be kept as safe now."""
+        if self.regression is None or not self.armed or self.smoothed is None:
+            return False
+        return self.smoothed >= self._mark(self.regression / 2.0)
 
     def observe(self, loss: float) -> bool:
-        """Take one step's mean loss; return whether it is a spike (an infinite loss is one,
-        once a level exists; NaN, no loss reported, is ignored)."""
+        """Take one step's mean loss; return whether it is a spike or ends a regression (an
+        infinite loss is a spike, once a level exists; NaN, no loss reported, is ignored)."""
         if math.isnan(loss):
             return False
-        if self.smoothed is None or self.highest is None:
+        if self.smoothed is None or self.highest is None or self.lowest is None:
             if math.isfinite(loss):
-                self.smoothed = self.highest = float(loss)
+                self.smoothed = self.highest = self.lowest = float(loss)
             return False
         if not math.isfinite(loss) or (loss > self.ratio * self.smoothed and loss > self.highest):
             self.spikes += 1
             return True
         self.smoothed = self.smoothing * self.smoothed + (1.0 - self.smoothing) * float(loss)
-        self.highest = max(self.highest, self.smoothed)
-        return False
+        if not self.armed or self.regression is None:
+            self.highest = max(self.highest, self.smoothed)
+        self.lowest = min(self.lowest, self.smoothed)
+        self.armed = self.armed or self.smoothed <= (1.0 - self.armed_drop) * self.highest
+        if self.regression is None or not self.armed:
+            return False
+        self.back = self.back + 1 if self.smoothed >= self._mark(self.regression) else 0
+        if self.back < self.patience:
+            return False
+        self.regressions += 1
+        self.armed, self.back, self.lowest = False, 0, self.smoothed
+        return True
 
     def state_dict(self) -> dict[str, Any]:
         """The rule's state (identical on every rank) for the checkpoint."""
-        return {"smoothed": self.smoothed, "highest": self.highest, "spikes": self.spikes}
+        return {
+            "smoothed": self.smoothed,
+            "highest": self.highest,
+            "lowest": self.lowest,
+            "armed": self.armed,
+            "back": self.back,
+            "spikes": self.spikes,
+            "regressions": self.regressions,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`."""
         self.smoothed = state["smoothed"]
         self.highest = state.get("highest", self.smoothed)
+        self.lowest = state.get("lowest", self.smoothed)
+        self.armed = bool(state.get("armed", False))
+        self.back = int(state.get("back", 0))
         self.spikes = int(state["spikes"])
+        self.regressions = int(state.get("regressions", 0))

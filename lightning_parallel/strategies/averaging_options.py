@@ -116,15 +116,21 @@ def plateau_options(synchronous_window: object, plateau_drop: object) -> tuple[i
     return window, drop
 
 
-def spike_options(spike_ratio: object) -> float:
-    """The loss-spike rule's ratio, typed and checked."""
+def spike_options(spike_ratio: object, spike_regression: object) -> tuple[float, float | None]:
+    """The loss-spike rule's ratio and regression share, typed and checked."""
     ratio = optional_float("spike_ratio", spike_ratio)
     if ratio is None or not ratio > 1.0:
         raise ValueError(
             f"spike_ratio must be above 1 (times the smoothed loss that counts as a spike), "
             f"got {ratio}; rollback_on_spike=False turns the rule off"
         )
-    return ratio
+    regression = optional_float("spike_regression", spike_regression)
+    if regression is not None and not 0.0 < regression <= 1.0:
+        raise ValueError(
+            f"spike_regression must be in (0, 1] (a share of the way back to the starting "
+            f"loss), got {regression}; None watches spikes only"
+        )
+    return ratio, regression
 
 
 def resume_mismatch(

@@ -15,8 +15,8 @@ What it guarantees, where Lightning's ``model_averaging_period`` and torch's
    which the training loss leaves its initial plateau, are synchronous data parallelism
    (gradients averaged before every optimizer step, exactly as DDP); otherwise no gradient is
    communicated (the model is never wrapped in ``DistributedDataParallel``); a local step whose
-   mean loss spikes rolls every replica back to their last agreed point
-   (``rollback_on_spike``);
+   mean loss spikes, or climbs back to where training started, rolls every replica back to
+   their last agreed point (``rollback_on_spike``);
 3. validation runs on averaged models (a round runs first, or the mean of the replicas is
    swapped in and out, or each fragment's last agreed point: ``before_validation``), every
    checkpoint's ``state_dict`` is the mean of the replicas (the replicas are not touched:
@@ -36,8 +36,8 @@ What it guarantees, where Lightning's ``model_averaging_period`` and torch's
    bf16, int8 or int4 (Streaming DiLoCo, Douillard et al., arXiv 2501.18512);
 6. each round sets the gauges ``rounds``, ``divergence`` (``‖x_i − x̄‖`` before averaging),
    ``bytes_per_round``, ``peak_round_bytes`` and ``round_wait_s`` in the process ledger, which
-   ``CommStats`` logs (and ``loss_spikes``, ``rollbacks``, ``synchronous_window_at`` when the
-   loss rules act);
+   ``CommStats`` logs (and ``loss_spikes``, ``loss_regressions``, ``rollbacks``,
+   ``synchronous_window_at`` when the loss rules act);
 7. a lost replica (killed, frozen, cut off; not rank 0) ends the run on every rank with an
    error naming it (``worker_loss="stop"``, the default), or is dropped
    (``worker_loss="continue"``): every collective is agreed by the survivors through the
@@ -156,15 +156,21 @@ class ModelAveragingStrategy(AveragingCheckpoints):
             it (default 0.05; larger: later).
         rollback_on_spike: after a local step whose loss, averaged over the ranks, exceeds
             ``spike_ratio`` times its smoothed value and the highest smoothed value so far
-            (:class:`~lightning_parallel.averaging.plateau.LossSpike`), restart every replica
-            from the last point they agreed on, with the optimizers' state cleared and the
-            algorithm restarted there (default ``True``; ``False``: the former behaviour). Why:
-            where the loss leaves a plateau training sits on the edge of stability, and one
-            replica's spike (loss 1.6 to 7.0 on ``vgg_mini``, seed 3) can leave the average on a
-            dead, constant-output model for the rest of the run. One scalar per step, no other
-            communication, one copy of the model kept; EASGD (whose replicas never agree)
-            ignores it.
+            (:class:`~lightning_parallel.averaging.plateau.LossSpike`), or whose smoothed
+            loss has climbed back ``spike_regression`` of the way from its lowest to where
+            training started for 3 steps in a row, restart every replica from the last point
+            they agreed on while the loss was settled, with the optimizers' state cleared and
+            the algorithm restarted there (default ``True``;
+            ``False``: the behaviour before roll-backs). Why: where the loss leaves a plateau
+            training sits on the edge of stability, and one replica's spike (loss 1.6 to 7.0 on
+            ``vgg_mini``, seed 3) can leave the average on a dead, constant-output model for
+            the rest of the run. One scalar per step, no other communication, one copy of the
+            model kept; EASGD (whose replicas never agree) ignores it.
         spike_ratio: the spike rule's ratio (default 2.0; larger: fewer roll-backs).
+        spike_regression: the share of the way back to the starting loss that counts as a
+            regression (default 1.0, back at the start; smaller: more roll-backs; ``None``:
+            spikes only, the former rule). A fall back to ``ln 10`` over a few steps, none
+            of them a spike, killed ``bmuf`` seed 2 and ``diloco`` seed 3 on ``vgg_mini``.
         buffers: ``"average"`` (default; BatchNorm statistics averaged with the parameters) or
             ``"local"`` (each replica keeps its own; checkpoints hold rank 0's).
         optimizer_state: ``"keep"`` (default; each replica keeps its momentum or moments),
@@ -252,6 +258,7 @@ class ModelAveragingStrategy(AveragingCheckpoints):
         plateau_drop: float = 0.05,
         rollback_on_spike: bool = True,
         spike_ratio: float = 2.0,
+        spike_regression: float | None = 1.0,
         buffers: Literal["average", "local"] = "average",
         optimizer_state: Literal["keep", "average", "reset"] = "keep",
         reduce: Literal["flat", "tree"] = "flat",
@@ -310,7 +317,7 @@ class ModelAveragingStrategy(AveragingCheckpoints):
             synchronous_window, plateau_drop
         )
         self.rollback_on_spike = bool(optional_bool("rollback_on_spike", rollback_on_spike))
-        self.spike_ratio = spike_options(spike_ratio)
+        self.spike_ratio, self.spike_regression = spike_options(spike_ratio, spike_regression)
         # Not ``self.reduce`` / ``self.optimizer_state``: those are Strategy methods.
         self.buffer_policy = check_choice("buffers", buffers, BUFFER_POLICIES)
         self.optimizer_state_policy = check_choice(
@@ -412,7 +419,9 @@ class ModelAveragingStrategy(AveragingCheckpoints):
             keep_agreement=self.before_validation == "global",
             plateau=None if not self.synchronous_window else PlateauExit(self.plateau_drop),
             window_steps=self.synchronous_window,
-            spike=LossSpike(self.spike_ratio) if self.rollback_on_spike else None,
+            spike=LossSpike(self.spike_ratio, regression=self.spike_regression)
+            if self.rollback_on_spike
+            else None,
         )
 
     @override

@@ -271,7 +271,8 @@ def test_a_resume_before_during_or_after_the_window_continues_exactly(stop: int)
 
 
 def test_a_spike_is_measured_against_the_healthy_level() -> None:
-    rule = LossSpike(ratio=2.0, smoothing=0.5)
+    # the spike alone (a bump this large right after the fall is also a regression)
+    rule = LossSpike(ratio=2.0, smoothing=0.5, regression=None)
     healthy = [2.3, 2.2, 2.0, 1.8, 1.6]
     assert not any(rule.observe(loss) for loss in healthy)
     level = rule.smoothed
@@ -295,11 +296,89 @@ def test_late_noise_below_the_starting_level_is_no_spike() -> None:
     assert rule.observe(2.4)
 
 
+# vgg_mini, bmuf, seed 2: the mean loss leaves the plateau, climbs back over three steps (none
+# of them twice the smoothed level) and stays at ln 10 for 40 steps
+_SLOW_DEATH = [2.303, 2.301, 2.299, 2.295, 2.285, 2.252, 2.152, 2.027, 1.906, 1.713, 1.562]
+_CLIMB = [2.692, 3.496, 2.780, 2.255, 2.261, 2.247, 2.278]
+# vgg_mini, model_averaging, seed 2: one step back at the start, then 2.1-2.25 and a recovery
+_BUMP = [2.303, 2.30, 2.29, 2.25, 2.20, 2.16, 2.07, 2.00, 1.99, 1.61, 1.66, 2.08, 3.28, 2.09]
+_BUMP += [2.25, 2.07, 2.12, 2.23, 2.25, 2.23, 2.22, 2.17, 2.10, 1.99, 1.84, 1.58, 1.45, 1.21]
+
+
+def test_a_climb_back_to_the_starting_loss_that_stays_is_a_regression() -> None:
+    rule = LossSpike(ratio=2.0)
+    assert not any(rule.observe(loss) for loss in _SLOW_DEATH)
+    assert rule.armed and not rule.unsettled
+    fired = [rule.observe(loss) for loss in _CLIMB]
+    # the smoothed loss is back at the start (2.303) from 3.50 on; the third step there fires
+    assert fired == [False, False, False, True, False, False, False]
+    assert (rule.spikes, rule.regressions) == (0, 1)
+
+
+def test_the_loss_is_unsettled_from_half_way_back() -> None:
+    rule = LossSpike(ratio=2.0)
+    for loss in _SLOW_DEATH:
+        rule.observe(loss)
+    rule.observe(_CLIMB[0])  # the smoothed loss 2.09: more than half-way back from 1.83
+    assert rule.unsettled
+    assert not LossSpike(regression=None).unsettled
+
+
+def test_one_step_back_at_the_start_is_no_regression() -> None:
+    rule = LossSpike(ratio=2.0)
+    assert not any(rule.observe(loss) for loss in _BUMP)
+    assert (rule.spikes, rule.regressions) == (0, 0)
+    assert rule.observe(2.303) is False and not rule.unsettled
+
+
+def test_without_the_regression_the_slow_death_goes_unnoticed() -> None:
+    rule = LossSpike(ratio=2.0, regression=None)
+    assert not any(rule.observe(loss) for loss in _SLOW_DEATH + _CLIMB + [2.30] * 40)
+    assert (rule.spikes, rule.regressions) == (0, 0)
+
+
+def test_a_regression_fires_again_only_after_the_loss_has_fallen_again() -> None:
+    rule = LossSpike(ratio=2.0)
+    for loss in _SLOW_DEATH:
+        rule.observe(loss)
+    fired = [rule.observe(loss) for loss in _CLIMB + [2.30] * 40]
+    assert sum(fired) == 1  # rolled back to a point on the plateau: no roll-back every step
+    for loss in [1.8, 1.6, 1.5, 1.5, 1.5, 1.5]:  # the loss leaves the plateau again
+        assert not rule.observe(loss)
+    assert rule.armed
+    assert any(rule.observe(loss) for loss in [2.6] * 8)
+    assert rule.regressions == 2
+
+
+def test_late_noise_far_below_the_start_is_no_regression() -> None:
+    rule = LossSpike(ratio=2.0)
+    losses = [2.30] * 5 + [2.0, 1.6, 1.2, 0.8, 0.5, 0.4, 0.3, 1.0, 1.2, 0.9, 0.3, 0.2]
+    assert not any(rule.observe(loss) for loss in losses)
+    assert (rule.spikes, rule.regressions) == (0, 0)
+
+
+def test_the_regression_state_round_trips() -> None:
+    rule = LossSpike()
+    for loss in _SLOW_DEATH + _CLIMB[:2]:
+        rule.observe(loss)
+    copy = LossSpike()
+    copy.load_state_dict(rule.state_dict())
+    assert copy.state_dict() == rule.state_dict()
+    rest = _CLIMB[2:] + [1.5] * 9 + [2.6] * 6
+    assert [copy.observe(x) for x in rest] == [rule.observe(x) for x in rest]
+
+
 def test_the_spike_rule_refuses_a_ratio_of_one_or_less() -> None:
     with pytest.raises(ValueError, match="ratio"):
         LossSpike(ratio=1.0)
     with pytest.raises(ValueError, match="smoothing"):
         LossSpike(smoothing=-0.1)
+    with pytest.raises(ValueError, match="regression"):
+        LossSpike(regression=0.0)
+    with pytest.raises(ValueError, match="armed_drop"):
+        LossSpike(armed_drop=1.0)
+    with pytest.raises(ValueError, match="patience"):
+        LossSpike(patience=0)
 
 
 def test_a_spike_rolls_every_replica_back_to_the_last_agreed_point() -> None:
@@ -351,3 +430,51 @@ def test_a_spike_rolls_every_replica_back_to_the_last_agreed_point() -> None:
         assert result["last_round_step"] == 8
         assert 0 < result["moved_from_agreed"] < 0.5  # one step with fresh momentum
     assert not torch.equal(results[0]["rolled"], results[1]["rolled"])  # step 8 was local
+
+
+def test_a_regression_rolls_back_to_the_point_from_before_the_climb() -> None:
+    # the loss falls (armed at step 3), climbs from step 6 (unsettled from step 7) and is back
+    # at the start from step 10: the third step there, 12, fires; the rounds after steps 8 and
+    # 11 fall inside the climb and are not kept, so the roll-back goes to the round after 5
+    climbing = [2.3, 2.3, 1.2, 1.0, 1.0, 1.0] + [2.6] * 7
+
+    def run(rank: int, world: int) -> dict[str, object]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        engine = ReplicaAveraging(
+            model,
+            [optimizer],
+            PeriodicAverager(),
+            AveragingSchedule(3),
+            build_reduction("flat"),
+            ledger=CommLedger(),
+            spike=LossSpike(ratio=2.0),
+        )
+        engine.broadcast_replicas()
+        agreed = None
+        for step in range(13):
+            engine.synchronize()
+            if step == 6:  # the round after step 5 was applied at this boundary
+                agreed = torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
+            inputs, targets = _batch(rank, step)
+            optimizer.zero_grad()
+            nn.functional.mse_loss(model(inputs), targets).backward()
+            engine.observe_loss(climbing[step])
+            optimizer.step()
+            engine.count_optimizer_step()
+        engine.synchronize()
+        assert agreed is not None
+        rolled = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        assert engine.spike is not None
+        return {
+            "rollbacks": engine.rollbacks,
+            "regressions": engine.spike.regressions,
+            "rounds": engine.rounds,
+            "equal_to_agreed": torch.equal(rolled, agreed),
+        }
+
+    for result in run_distributed(run, 2):
+        assert (result["rollbacks"], result["regressions"]) == (1, 1)
+        assert result["rounds"] == 4  # after steps 2, 5, 8 and 11
+        assert result["equal_to_agreed"]

@@ -493,6 +493,7 @@ def test_registered_names_and_bench_style_construction() -> None:
         ({"synchronous_window": -1}, "synchronous_window"),
         ({"plateau_drop": 1.5}, "plateau_drop"),
         ({"spike_ratio": 1.0}, "spike_ratio must be above 1"),
+        ({"spike_regression": 0.0}, r"spike_regression must be in \(0, 1\]"),
         ({"rollback_on_spike": "yes"}, "rollback_on_spike"),
         ({"overlap": "maybe"}, "overlap must be true or false"),
         ({"period": 4, "fragments": 5}, "fragments must be between 1 and period"),
