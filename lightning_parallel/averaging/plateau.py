@@ -100,19 +100,26 @@ class LossSpike:
     ``armed_drop`` ``δ``; one observation ``ℓ_t`` per optimizer step, the loss averaged over
     the ranks, so that every rank takes the same decision). ``L`` is the smoothed loss of the
     steps that were not spikes, ``L_t = s·L_{t−1} + (1 − s)·ℓ_t`` (``L_1 = ℓ_1``); ``P`` the
-    highest ``L`` while the rule is not armed (where training started: the initial plateau's
-    level; with ``c = None`` the highest ever, as before the regression existed); ``B`` the
+    highest ``L`` so far, whatever ``c`` (the spike's level, :attr:`highest`); ``S`` the
+    highest ``L`` while the rule is not armed, frozen while it is (the regression's starting
+    level, :attr:`start`: where training started, the initial plateau's level); ``B`` the
     lowest ``L`` since the last regression:
 
-    1. a **spike**: ``ℓ_t > r·L_{t−1}`` and ``ℓ_t > P``; it leaves ``L`` as it was (the level
-       it is measured against stays the healthy one);
-    2. the rule is **armed** once ``L ≤ (1 − δ)·P``: the loss has left where it started;
-    3. a **regression** (``c`` not ``None``): armed, and ``L ≥ B + c·(P − B)`` (``c = 1``: back
+    1. a **spike**: ``ℓ_t > r·L_{t−1}`` and ``ℓ_t > P_{t−1}``; it leaves ``L`` as it was (the
+       level it is measured against stays the healthy one); the regression does not change
+       which steps are spikes;
+    2. the rule is **armed** once ``L ≤ (1 − δ)·S``: the loss has left where it started;
+    3. a **regression** (``c`` not ``None``): armed, and ``L ≥ B + c·(S − B)`` (``c = 1``: back
        at the starting level) for ``K`` steps in a row; the rule is then disarmed and ``B``
-       restarts at ``L``, so it fires again only after the loss has fallen ``δ`` below ``P``
+       restarts at ``L``, so it fires again only after the loss has fallen ``δ`` below ``S``
        once more (a roll-back to a point that is itself on the plateau does not repeat);
-    4. while armed and ``L ≥ B + c·(P − B)/2`` the loss is :attr:`unsettled`: the caller keeps
+    4. while armed and ``L ≥ B + c·(S − B)/2`` the loss is :attr:`unsettled`: the caller keeps
        no new point to roll back to (a round inside the climb would otherwise become it).
+
+    ``P`` and ``S`` differ once an armed loss climbs above where it started: ``P`` follows it
+    (a later step up to that height is excused, as before the regression existed), ``S`` does
+    not (the climb is measured against the start). With one level for both (commit 0885397)
+    ``bmuf`` seed 4 rolled back at a step the spike-only rule had excused (0.903 → 0.811).
 
     The second condition of the spike keeps late training's noise out: once the loss is small,
     a batch twice as hard as the recent ones is ordinary (``vgg_mini`` seed 0 rolled back at
@@ -179,16 +186,17 @@ class LossSpike:
         self.patience = int(patience)
         self.armed_drop = float(armed_drop)
         self.smoothed: float | None = None
-        self.highest: float | None = None
+        self.highest: float | None = None  # P: the highest smoothed loss so far (spikes)
+        self.start: float | None = None  # S: the highest while not armed (the regression)
         self.lowest: float | None = None
-        self.armed = False  # the smoothed loss has fallen armed_drop below the highest
+        self.armed = False  # the smoothed loss has fallen armed_drop below the start
         self.back = 0  # steps in a row with the smoothed loss back at the mark
         self.spikes = 0
         self.regressions = 0
 
     def _mark(self, share: float) -> float:
-        assert self.lowest is not None and self.highest is not None
-        return self.lowest + share * (self.highest - self.lowest)
+        assert self.lowest is not None and self.start is not None
+        return self.lowest + share * (self.start - self.lowest)
 
     @property
     def unsettled(self) -> bool:
@@ -202,18 +210,24 @@ class LossSpike:
         infinite loss is a spike, once a level exists; NaN, no loss reported, is ignored)."""
         if math.isnan(loss):
             return False
-        if self.smoothed is None or self.highest is None or self.lowest is None:
+        if (
+            self.smoothed is None
+            or self.highest is None
+            or self.start is None
+            or self.lowest is None
+        ):
             if math.isfinite(loss):
-                self.smoothed = self.highest = self.lowest = float(loss)
+                self.smoothed = self.highest = self.start = self.lowest = float(loss)
             return False
         if not math.isfinite(loss) or (loss > self.ratio * self.smoothed and loss > self.highest):
             self.spikes += 1
             return True
         self.smoothed = self.smoothing * self.smoothed + (1.0 - self.smoothing) * float(loss)
-        if not self.armed or self.regression is None:
-            self.highest = max(self.highest, self.smoothed)
+        self.highest = max(self.highest, self.smoothed)
+        if not self.armed:
+            self.start = max(self.start, self.smoothed)
         self.lowest = min(self.lowest, self.smoothed)
-        self.armed = self.armed or self.smoothed <= (1.0 - self.armed_drop) * self.highest
+        self.armed = self.armed or self.smoothed <= (1.0 - self.armed_drop) * self.start
         if self.regression is None or not self.armed:
             return False
         self.back = self.back + 1 if self.smoothed >= self._mark(self.regression) else 0
@@ -228,6 +242,7 @@ class LossSpike:
         return {
             "smoothed": self.smoothed,
             "highest": self.highest,
+            "start": self.start,
             "lowest": self.lowest,
             "armed": self.armed,
             "back": self.back,
@@ -239,6 +254,8 @@ class LossSpike:
         """Restore :meth:`state_dict`."""
         self.smoothed = state["smoothed"]
         self.highest = state.get("highest", self.smoothed)
+        # a checkpoint from before the two levels: its "highest" was frozen while armed
+        self.start = state.get("start", self.highest)
         self.lowest = state.get("lowest", self.smoothed)
         self.armed = bool(state.get("armed", False))
         self.back = int(state.get("back", 0))

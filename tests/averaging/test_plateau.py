@@ -357,6 +357,26 @@ def test_late_noise_far_below_the_start_is_no_regression() -> None:
     assert (rule.spikes, rule.regressions) == (0, 0)
 
 
+def test_an_armed_regression_leaves_the_spikes_as_the_spike_only_rule_has_them() -> None:
+    # armed at 1.81, the smoothed loss climbs to 2.59, above the start (2.30), for one step
+    # (no regression: it needs 3), falls to 1.13, then a step of 2.5: more than twice 1.13 and
+    # than the start, but below the highest smoothed loss so far, 2.59, which the spike-only
+    # rule measures against; one level for both rules (frozen at 2.30 once armed) made it a
+    # spike, as a step like it rolled back bmuf seed 4 (0.903 -> 0.811)
+    losses = [2.30] * 5 + [2.0, 1.6, 1.3, 1.2, 1.2, 2.3, 3.4, 3.4]
+    losses += [1.4, 1.0, 0.9, 0.9, 0.9, 0.9, 2.5]
+    spike_only = LossSpike(ratio=2.0, regression=None)
+    rule = LossSpike(ratio=2.0)
+    expected = [spike_only.observe(loss) for loss in losses]
+    assert [rule.observe(loss) for loss in losses] == expected == [False] * len(losses)
+    assert rule.armed and (rule.spikes, rule.regressions) == (0, 0)
+    assert rule.start == 2.30 and rule.highest == spike_only.highest
+    assert rule.highest is not None and rule.highest > 2.5
+    for loss in [4.0, math.inf]:  # above both levels and twice the smoothed loss: spikes
+        assert rule.observe(loss) and spike_only.observe(loss)
+    assert rule.spikes == spike_only.spikes == 2
+
+
 def test_the_regression_state_round_trips() -> None:
     rule = LossSpike()
     for loss in _SLOW_DEATH + _CLIMB[:2]:
