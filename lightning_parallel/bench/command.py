@@ -202,6 +202,7 @@ def main(argv: list[str]) -> int:
 
         emulated = bool(result["config"].get("latency_emulated", True))
         attach(result, predict_runs(profile, specs, config, emulated))
+        result["plan_profile"] = profile  # to plan again from it (plan --from-profile)
         console.print(comparison(result), markup=False, highlight=False)
     if args.json is not None:
         write_json(result, args.json)

@@ -26,6 +26,7 @@ can be computed again for another cluster without profiling again.
 
 from __future__ import annotations
 
+import copy
 import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -342,20 +343,30 @@ def pipeline_layers(
     micro-batches in ``micro_batches`` (the batch split that many ways), found as the pipeline
     strategies find it (:mod:`~lightning_parallel.pipeline.discovery`, then fx or
     torch.export). Returns the profiles and ``None``, or no profile and the reason the model
-    cannot be split (the pipelines would refuse it the same way)."""
+    cannot be split (the pipelines would refuse it the same way).
+
+    With more than one micro-batch the chain is timed as GroPipe runs it (on a copy): linear
+    layers keep their weight gradients for one product over the step's micro-batches
+    (:mod:`~lightning_parallel.pipeline.weight_grad`) and BatchNorm defers its statistics
+    (:mod:`~lightning_parallel.pipeline.batchnorm`); a weight gradient that does not grow with
+    the micro-batch would otherwise be counted once per micro-batch."""
+    from lightning_parallel.pipeline.batchnorm import convert_deferred_batch_norm
     from lightning_parallel.pipeline.stages import PipelineSplitError
+    from lightning_parallel.pipeline.weight_grad import convert_deferred_weight_gradients
 
     profiles: list[LayerProfile] = []
     try:
         with torch.enable_grad():
             for count in sorted(set(micro_batches)):
                 micro = split_microbatches(batch, count)[0]
-                target = static_target(module, None) or discover(
-                    module, "training_step", micro, step_args
+                owner = copy.deepcopy(module) if count > 1 else module
+                target = static_target(owner, None) or discover(
+                    owner, "training_step", micro, step_args
                 )
-                args, kwargs = capture_call(
-                    module, target.module, "training_step", micro, step_args
-                )
+                if count > 1:
+                    convert_deferred_batch_norm(target.module)
+                    convert_deferred_weight_gradients(target.module)
+                args, kwargs = capture_call(owner, target.module, "training_step", micro, step_args)
                 call, inputs = stage_zero_inputs(None, False, args, kwargs)
                 layers, _, example = split_layers(target.module, inputs, call)
                 profile = profile_layers(layers, example, repeats=repeats, micro_batches=count)

@@ -91,10 +91,12 @@ def test_round_counts_over_a_run() -> None:
     # validation's), then 8 and 16 steps later; H = 16 at 16, 22 and 16 steps later
     assert round_counts(RunLength(steps=40, epoch_steps=22), 8, 1) == 5 / 40
     assert round_counts(RunLength(steps=40, epoch_steps=22), 16, 1) == 3 / 40
+    # 30 steps: the round due at step 30 is not counted (8, 16, 22)
+    assert round_counts(RunLength(steps=30, epoch_steps=22), 8, 1) == 3 / 30
     # an epoch ending on a round needs no extra one
-    assert round_counts(RunLength(steps=32, epoch_steps=16), 8, 1) == 4 / 32
-    # 4 fragments of H = 16 end rounds at 4, 8, 12, 16, ...
-    assert round_counts(RunLength(steps=32), 16, 4) == 8 / 32
+    assert round_counts(RunLength(steps=32, epoch_steps=16), 8, 1) == 3 / 32
+    # 4 fragments of H = 16 end rounds at 4, 8, 12, 16, ... (not at the last step, 32)
+    assert round_counts(RunLength(steps=32), 16, 4) == 7 / 32
 
 
 def test_the_parameter_server_mixes_fast_local_and_slow_remote_steps() -> None:

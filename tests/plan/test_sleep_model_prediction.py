@@ -18,7 +18,9 @@ import pytest
 from lightning_parallel.bench.command import main as bench_main
 
 TESTS = Path(__file__).parents[1]
-MODEL = "helpers.sleep_model.SleepNet"
+# long sleeps: the trainer's own few milliseconds a step, which a loaded machine (the suite's
+# other workers) stretches, stay small against them
+MODEL = "helpers.sleep_model.SleepNet:depth=2,forward_s=0.2,backward_s=0.4"
 DATA = "helpers.sleep_model.SleepData"
 FAMILIES = [
     "ddp",
@@ -38,7 +40,7 @@ def test_every_family_is_predicted_within_five_percent(tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(paths))
     out = tmp_path / "out.json"
     argv = ["--network", "local", "--hosts", "2", "--model", MODEL, "--data", DATA,
-            "--max-steps", "24", "--warmup-steps", "6", "--predict", "--json", str(out),
+            "--max-steps", "12", "--warmup-steps", "4", "--predict", "--json", str(out),
             "--timeout", "300"]  # fmt: skip
     for spec in FAMILIES:
         argv += ["-s", spec]
