@@ -9,6 +9,8 @@ and its predictions go into each run's ``extra`` (BENCH.md's ``extra`` takes mor
 - ``predicted_peak_rss_mb``: the largest process's peak memory (against ``peak_rss_mb``);
 - ``predicted_wire_bytes_per_step``: bytes per step per host at the interface (against
   ``wire_bytes_per_step``);
+- ``predicted_samples_per_s``: samples per second of the whole cluster (against
+  ``samples_per_s``; what the plan ranks by);
 - ``predicted_refused``: why the plan expects the strategy to refuse, else null.
 
 ``--network local`` has no shaped link: the plan takes loopback as :data:`LOOPBACK` (a fast
@@ -113,6 +115,7 @@ def attach(result: dict[str, Any], predictions: dict[str, dict[str, Any]]) -> No
                 "predicted_mean_step_s": predicted["mean_step_s"],
                 "predicted_peak_rss_mb": predicted["peak_rss_mb"],
                 "predicted_wire_bytes_per_step": predicted["wire_bytes_per_step"],
+                "predicted_samples_per_s": predicted["samples_per_s"],
                 "predicted_refused": predicted["refused"],
             }
         )
