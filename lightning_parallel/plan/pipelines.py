@@ -7,8 +7,11 @@ ones training will use. ``W / p`` pipelines of ``p`` stages train side by side; 
 stages sit on one host when it has ``p`` processes (the intra-host link between them), else on
 ``p`` hosts.
 
-**GroPipe** (``m`` micro-batches, 1F1B or GPipe, per-stage times ``t_k`` with their cut
-transfers): ``S = Σ t_k + (m − 1)·max t_k`` (fill, then the slowest stage paces), plus one
+**GroPipe** (``m`` micro-batches, 1F1B or GPipe, per-stage compute ``t_k`` a micro-batch, cut
+transfers ``x_j``; the split chosen with the transfers charged, as the strategy chooses it):
+``S = Σ t_k + Σ x_j + (m − 1)·max(t_k, x_j)`` (fill, then the slowest stage or cut paces:
+sends run beside the compute; charging both stages for every transfer, as the partitioner
+does to choose the split, predicted ``vgg_mini`` at 100 Mbit/s 43% slow), plus one
 link latency for each of the ``2(m + p − 2)`` crossings on the critical path, each stage's
 optimizer step on its share of the parameters (the slowest), the trainer's time, and the
 end-of-step summary (a small all-reduce in the pipeline). Across pipelines each stage's
@@ -36,7 +39,6 @@ from lightning_parallel.pipeline.partition import (
     PartitionError,
     partition,
     plan_for,
-    projected_step,
 )
 from lightning_parallel.plan.memory import peak_rss_mb
 from lightning_parallel.plan.network import Cluster, Link, all_reduce, send
@@ -138,7 +140,16 @@ def predict_gropipe(
         )  # fmt: skip
     except PartitionError as error:
         return refused(spec, "gropipe", str(error))
-    fill, _ = projected_step(plan.stage_seconds, micro)
+    # the split is chosen as the strategy chooses it (compute and the cuts' transfers); the
+    # step then runs the stages' compute while the transfers go on beside it: a slot lasts the
+    # slowest stage's micro-batch or the slowest cut's transfer, whichever is longer
+    work = plan_for(layers.model_profile(), plan.boundaries, micro, schedule)
+    cut_seconds = [
+        send(_pipeline_cluster(cluster, stages), layers.layers[b - 1].output_bytes).seconds
+        for b in plan.boundaries
+    ]
+    slot = max(max(work.stage_seconds), *cut_seconds)
+    fill = sum(work.stage_seconds) + sum(cut_seconds) + (micro - 1) * slot
     latency = 2.0 * (micro + stages - 2) * link.latency
     edges = [0, *plan.boundaries, len(layers.layers)]
     stage_params = [
@@ -150,7 +161,6 @@ def predict_gropipe(
     summary = all_reduce(_pipeline_cluster(cluster, stages), _SUMMARY_BYTES)
     traffic = Traffic().add(summary)
     groups = cluster.world // stages
-    slot = max(plan.stage_seconds)
     exposed_sync = 0.0
     if groups > 1:
         replicas = _replica_cluster(cluster, groups)
@@ -171,7 +181,7 @@ def predict_gropipe(
     _link_probe(traffic, cluster, stages, run)
     compute = fill + optimizer + profile.overhead_s
     step = compute + latency + summary.seconds + exposed_sync
-    busy = micro * sum(plan.stage_seconds) / stages
+    busy = micro * sum(work.stage_seconds) / stages
     activations = [
         float(sum(c.activation_bytes for c in layers.layers[a:b])) * min(micro, stages - k)
         for k, (a, b) in enumerate(itertools.pairwise(edges))
@@ -192,7 +202,7 @@ def predict_gropipe(
             "stages": stages,
             "micro_batches": micro,
             "boundaries": list(plan.boundaries),
-            "stage_seconds": list(plan.stage_seconds),
+            "stage_seconds": list(work.stage_seconds),
             "cut_bytes": cut_bytes,
         },
     )
