@@ -20,7 +20,7 @@ from lightning_parallel.bench.command import main as bench_main
 TESTS = Path(__file__).parents[1]
 # long sleeps: the trainer's own few milliseconds a step, which a loaded machine (the suite's
 # other workers) stretches, stay small against them
-MODEL = "helpers.sleep_model.SleepNet:depth=2,forward_s=0.2,backward_s=0.4"
+MODEL = "helpers.sleep_model.SleepNet:depth=4,forward_s=0.05,backward_s=0.1"
 DATA = "helpers.sleep_model.SleepData"
 FAMILIES = [
     "ddp",
@@ -35,6 +35,7 @@ FAMILIES = [
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # eight trainings of 10 steps of about a second, and the profile
 def test_every_family_is_predicted_within_five_percent(tmp_path, monkeypatch):
     paths = [str(TESTS), *filter(None, [os.environ.get("PYTHONPATH")])]
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(paths))
