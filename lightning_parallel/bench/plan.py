@@ -14,10 +14,10 @@ bench runs them):
 2. a real ``fit`` of ``--profile-steps`` steps runs under ``ddp`` on this one process, timed
    step by step as the bench times a step (its probe): the trainer's own time per step and
    the process's peak memory come from it;
-3. the plain-torch profile (:func:`lightning_parallel.plan.profile.profile_step`) times the
+3. the plain-torch profile (:func:`lightning_parallel.plan.measure.profile_step`) times the
    forward, backward and optimizer step of ``training_step`` on one batch, and, where a
    pipeline is asked for, the per-layer costs of the chain it would split
-   (:func:`lightning_parallel.plan.profile.pipeline_layers`).
+   (:func:`lightning_parallel.plan.measure.pipeline_layers`).
 
 ``--profile-json`` keeps the profile; ``--from-profile`` plans from a kept one (another
 cluster without profiling again). The strategies' options are the registered defaults merged
@@ -179,7 +179,7 @@ def profile_module(
     import torch
 
     from lightning_parallel.compat.namespaces import PYTORCH_LIGHTNING, of_object
-    from lightning_parallel.plan.profile import codec_timings, pipeline_layers, profile_step
+    from lightning_parallel.plan.measure import codec_timings, pipeline_layers, profile_step
 
     lightning = (of_object(model) or PYTORCH_LIGHTNING).module()
     # Lightning's CPU accelerator gives each process cores // processes threads unless

@@ -15,7 +15,7 @@ bound).
 **PowerSGD** (torch's hook, rank ``r``, matrices worth compressing: ``n m / ((n + m) r) > 2``):
 per bucket three allreduces in a row (the uncompressed tensors, then every ``P = M Q``, then
 every ``Q = M^T P``) and the compression work on the core before them (timed in the profile,
-:func:`~lightning_parallel.plan.profile.codec_timings`).
+:func:`~lightning_parallel.plan.measure.codec_timings`).
 
 **Hylo** (defaults: rank-8 factors for convolution and fully-connected weights of at least
 8,192 values, everything else dense): every low-rank layer's ``P`` fused into one allreduce,

@@ -80,7 +80,7 @@ def test_the_comparison_prints_predicted_beside_measured():
         ]
     }  # fmt: skip
     prediction = {"step_s": 1.1, "mean_step_s": 1.2, "peak_rss_mb": 450.0,
-                  "wire_bytes_per_step": 2e6, "refused": None}  # fmt: skip
+                  "wire_bytes_per_step": 2e6, "samples_per_s": 64.0, "refused": None}  # fmt: skip
     predicted.attach(result, {"ddp": prediction})
     extra = result["runs"][0]["extra"]
     assert extra["predicted_step_s"] == 1.1 and extra["predicted_peak_rss_mb"] == 450.0

@@ -9,12 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_parallel.plan.profile import (
-    StepProfile,
-    low_rank_seconds,
-    pipeline_layers,
-    profile_step,
-)
+from lightning_parallel.plan.measure import low_rank_seconds, pipeline_layers, profile_step
+from lightning_parallel.plan.profile import StepProfile
 
 
 class _Net(nn.Module):
