@@ -1,0 +1,131 @@
+"""Profile a ``LightningModule`` for a plan: a real one-process ``fit`` and the plain-torch
+measures of :mod:`lightning_parallel.plan.measure`.
+
+1. a ``fit`` of ``steps`` steps runs under ``ddp`` on this one process (the module's own
+   Lightning namespace), timed step by step as the bench times a step: the trainer's own time
+   per step and the process's peak memory come from it;
+2. :func:`~lightning_parallel.plan.measure.profile_step` times the forward, backward and
+   optimizer step of ``training_step`` on the data module's first batch, and
+   :func:`~lightning_parallel.plan.measure.pipeline_layers` the chain a pipeline would split,
+   at each micro-batch count asked for; the low-rank codec work of every matrix shape is timed
+   too (:func:`~lightning_parallel.plan.measure.codec_timings`).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+from typing import Any
+
+__all__: list[str] = []
+
+
+def _rss_bytes() -> float:
+    """This process's resident memory now."""
+    with open("/proc/self/statm") as statm:
+        return float(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _step_probe(callback_base: type) -> Any:
+    """A callback of ``callback_base``'s namespace that times steps as the bench's probe does
+    (from the previous step's end to this one's) and reads the peak memory at train end."""
+    import resource
+    import time
+
+    class StepProbe(callback_base):  # type: ignore[misc, valid-type]
+        def __init__(self) -> None:
+            self.step_seconds: list[float] = []
+            self.peak_rss_bytes = 0.0
+            self._previous: float | None = None
+            self._start = 0.0
+
+        def on_train_batch_start(self, *args: Any) -> None:
+            now = time.perf_counter()
+            self._start = self._previous if self._previous is not None else now
+
+        def on_train_batch_end(self, *args: Any) -> None:
+            self._previous = time.perf_counter()
+            self.step_seconds.append(self._previous - self._start)
+
+        def on_train_end(self, *args: Any) -> None:
+            self.peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0
+
+    return StepProbe()
+
+
+def profile_module(
+    model: Any,
+    datamodule: Any,
+    *,
+    micro_batches: list[int] | tuple[int, ...] = (1,),
+    steps: int = 8,
+    threads: int = 1,
+    seed: int = 0,
+) -> Any:
+    """Profile a ``LightningModule`` (either namespace) on its data module's first batch, in
+    this process (see the module docstring); ``micro_batches`` are the splits of the batch to
+    take layer profiles at (1: the whole batch). Returns a
+    :class:`~lightning_parallel.plan.profile.StepProfile`."""
+    import torch
+
+    from lightning_parallel.compat.namespaces import PYTORCH_LIGHTNING, of_object
+    from lightning_parallel.plan.measure import codec_timings, pipeline_layers, profile_step
+
+    lightning = (of_object(model) or PYTORCH_LIGHTNING).module()
+    # Lightning's CPU accelerator gives each process cores // processes threads unless
+    # OMP_NUM_THREADS is set (the bench's hosts set it to 1)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
+    lightning.seed_everything(seed, workers=True, verbose=False)
+    base = _rss_bytes()
+    probe = _step_probe(lightning.Callback)
+    trainer = lightning.Trainer(
+        accelerator="cpu", devices=1,
+        strategy=lightning.strategies.DDPStrategy(process_group_backend="gloo"),
+        max_steps=steps, limit_val_batches=0, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        callbacks=[probe],
+    )  # fmt: skip
+    trainer.fit(model, datamodule=datamodule)
+    torch.set_num_threads(threads)
+    warmup = min(2, max(0, len(probe.step_seconds) - 1))
+    steady = sorted(probe.step_seconds[warmup:])
+    trainer_step = steady[len(steady) // 2] if steady else None
+    loader = datamodule.train_dataloader()
+    batch = next(iter(loader))
+    samples = len(loader.dataset) if hasattr(loader, "dataset") else None
+    # the trained model profiles as the untrained one would: the same work per step
+    optimizer = _first_optimizer(model.configure_optimizers())
+    profile = profile_step(model, batch, optimizer, repeats=4, warmup=1)
+    # the chain's layers at every micro-batch size asked for (the whole batch too: DDP's
+    # gradients become ready layer by layer)
+    layers, error = pipeline_layers(model, batch, sorted({1, *micro_batches}), repeats=2)
+    return replace(
+        profile,
+        codec_seconds=codec_timings(profile.parameters),
+        trainer_step_s=trainer_step,
+        base_rss_bytes=base,
+        peak_rss_bytes=probe.peak_rss_bytes or None,
+        layer_profiles=layers,
+        pipeline_error=error,
+        notes={
+            "model": type(model).__name__,
+            "profile_steps": steps,
+            "train_samples": samples,
+            "drop_last": bool(getattr(loader, "drop_last", False)),
+        },
+    )
+
+
+def _first_optimizer(configured: Any) -> Any:
+    """The optimizer in what ``configure_optimizers`` returned (its first, as the strategies
+    take it)."""
+    import torch
+
+    if isinstance(configured, torch.optim.Optimizer):
+        return configured
+    if isinstance(configured, dict):
+        return _first_optimizer(configured["optimizer"])
+    if isinstance(configured, (list, tuple)) and configured:
+        return _first_optimizer(configured[0])
+    raise ValueError(f"configure_optimizers returned {type(configured).__name__}: no optimizer")
