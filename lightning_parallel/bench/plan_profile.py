@@ -14,6 +14,8 @@ measures of :mod:`lightning_parallel.plan.measure`.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
 
@@ -53,6 +55,25 @@ def _step_probe(callback_base: type) -> Any:
     return StepProbe()
 
 
+@contextmanager
+def _isolated_fit() -> Iterator[None]:
+    """Leave the caller's process as it was found: the environment variables the one-process
+    ``ddp`` fit sets (the master's address and port, ``OMP_NUM_THREADS``) are restored and the
+    default process group it created is destroyed, so a later multi-process ``Trainer`` in the
+    same process (a fork launcher inherits the group) starts its own world."""
+    import torch.distributed as dist
+
+    environment = dict(os.environ)
+    had_group = dist.is_available() and dist.is_initialized()
+    try:
+        yield
+    finally:
+        if dist.is_available() and dist.is_initialized() and not had_group:
+            dist.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(environment)
+
+
 def profile_module(
     model: Any,
     datamodule: Any,
@@ -72,21 +93,23 @@ def profile_module(
     from lightning_parallel.plan.measure import codec_timings, pipeline_layers, profile_step
 
     lightning = (of_object(model) or PYTORCH_LIGHTNING).module()
-    # Lightning's CPU accelerator gives each process cores // processes threads unless
-    # OMP_NUM_THREADS is set (the bench's hosts set it to 1)
-    os.environ["OMP_NUM_THREADS"] = str(threads)
-    torch.set_num_threads(threads)
-    lightning.seed_everything(seed, workers=True, verbose=False)
+    threads_before = torch.get_num_threads()
     base = _rss_bytes()
     probe = _step_probe(lightning.Callback)
-    trainer = lightning.Trainer(
-        accelerator="cpu", devices=1,
-        strategy=lightning.strategies.DDPStrategy(process_group_backend="gloo"),
-        max_steps=steps, limit_val_batches=0, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-        callbacks=[probe],
-    )  # fmt: skip
-    trainer.fit(model, datamodule=datamodule)
+    with _isolated_fit():
+        # Lightning's CPU accelerator gives each process cores // processes threads unless
+        # OMP_NUM_THREADS is set (the bench's hosts set it to 1)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        torch.set_num_threads(threads)
+        lightning.seed_everything(seed, workers=True, verbose=False)
+        trainer = lightning.Trainer(
+            accelerator="cpu", devices=1,
+            strategy=lightning.strategies.DDPStrategy(process_group_backend="gloo"),
+            max_steps=steps, limit_val_batches=0, logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+            callbacks=[probe],
+        )  # fmt: skip
+        trainer.fit(model, datamodule=datamodule)
     torch.set_num_threads(threads)
     warmup = min(2, max(0, len(probe.step_seconds) - 1))
     steady = sorted(probe.step_seconds[warmup:])
@@ -100,9 +123,11 @@ def profile_module(
     # the chain's layers at every micro-batch size asked for (the whole batch too: DDP's
     # gradients become ready layer by layer)
     layers, error = pipeline_layers(model, batch, sorted({1, *micro_batches}), repeats=2)
+    codecs = codec_timings(profile.parameters)
+    torch.set_num_threads(threads_before)
     return replace(
         profile,
-        codec_seconds=codec_timings(profile.parameters),
+        codec_seconds=codecs,
         trainer_step_s=trainer_step,
         base_rss_bytes=base,
         peak_rss_bytes=probe.peak_rss_bytes or None,

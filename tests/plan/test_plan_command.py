@@ -4,9 +4,11 @@ cluster, and ``bench --predict``'s figures beside the measured ones."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 
 from lightning_parallel.bench import predicted
 from lightning_parallel.bench.plan import main as plan_main
@@ -22,6 +24,7 @@ def test_plan_profiles_a_class_path_module_once_and_plans_other_clusters(
     tmp_path, monkeypatch, capsys
 ):
     monkeypatch.syspath_prepend(str(TESTS))
+    environment = dict(os.environ)
     out, kept, plot = tmp_path / "plan.json", tmp_path / "profile.json", tmp_path / "plan.png"
     code = plan_main(
         ["--model", f"{HELPERS}.TinyClassifier:hidden=32", "--data", f"{HELPERS}.TinyData",
@@ -30,6 +33,14 @@ def test_plan_profiles_a_class_path_module_once_and_plans_other_clusters(
          "-s", "ddp", "-s", "diloco", "-s", "gropipe", "-s", "no_such_strategy"]
     )  # fmt: skip
     assert code == 0
+    # the one-process fit leaves no process group behind (a fork launcher's children would
+    # inherit its world of one) and none of the variables it set (the command's own seeding
+    # sets PL_GLOBAL_SEED, as Lightning's CLI does)
+    assert not dist.is_initialized()
+    seeded = {"PL_GLOBAL_SEED", "PL_SEED_WORKERS"}
+    assert {k: v for k, v in os.environ.items() if k not in seeded} == {
+        k: v for k, v in environment.items() if k not in seeded
+    }
     printed = capsys.readouterr().out
     assert "fastest first" in printed and "diloco" in printed
     record = json.loads(out.read_text())
