@@ -212,6 +212,7 @@ def choose_boundaries(
     rank: int,
     world_size: int,
     device: Callable[[], torch.device],
+    flushing: bool = True,
 ) -> tuple[list[int], PartitionPlan | None]:
     """The first layer of stages 1..p-1, and the partition plan that chose them (``None`` for
     given or even boundaries). Collective over the world for ``how="auto"`` with real weights.
@@ -225,6 +226,8 @@ def choose_boundaries(
         rank: this rank's global rank, ``world_size`` the number of ranks.
         device: this rank's device, asked for only to measure the link (a strategy not set up
             has none).
+        flushing: whether the pipeline flushes every step (GroPipe) or never (SpecTrain): how
+            the trial weighs a split (:func:`~lightning_parallel.pipeline.trial.candidate_cost`).
     """
     if isinstance(how, list):
         check_boundaries(how, len(layers))
@@ -288,7 +291,7 @@ def choose_boundaries(
                 repeats=profile_repeats,
             )  # fmt: skip
             outputs = [cost.output_bytes for cost in profile.layers]
-            chosen = choose_by_trial(candidates, measured, outputs, micro_batches, link)
+            chosen = choose_by_trial(candidates, measured, outputs, micro_batches, link, flushing)
             process_ledger().set_gauge("partition_trial_chose_even", float(chosen == 1))
             if chosen:
                 plan = even

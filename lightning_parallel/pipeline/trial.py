@@ -19,6 +19,10 @@ the plain even split. The trial measures what the projection only predicts:
    candidate's cost is the schedule's projected step
    (:func:`~lightning_parallel.pipeline.partition.projected_step`) of its measured stage times
    plus the link charge of its cuts (twice the cut bytes times the measured seconds per byte);
+   for a pipeline that never flushes (SpecTrain) the slowest charged stage, which paces its
+   steady state: a flushing projection of one micro-batch is the sum of the stages, the same
+   for every split, and left the choice to timing noise (the sleeping model of 2 layers ran
+   its two layers on one stage, 0.91 s a step where the balanced split takes 0.61);
 4. the candidate with the least cost wins (the partition's plan on a tie).
 
 The forwards run as recomputations (:func:`~lightning_parallel.pipeline.recompute.recomputing`:
@@ -76,15 +80,19 @@ def candidate_cost(
     output_bytes: Sequence[int],
     micro_batches: int,
     link_seconds_per_byte: float,
+    flushing: bool = True,
 ) -> float:
     """Projected step of a split from its measured stage times, each plus its cuts' link
     charge (:func:`~lightning_parallel.pipeline.partition.link_charge`, as the partition
-    charges them)."""
+    charges them); without ``flushing``, the slowest charged stage (see the module
+    docstring)."""
     edges = split_edges(boundaries, len(output_bytes))
     charged = [
         compute + link_charge(output_bytes, start, end, link_seconds_per_byte)
         for (start, end), compute in zip(edges, seconds)
     ]
+    if not flushing:
+        return max(charged)
     return projected_step(charged, micro_batches)[0]
 
 
@@ -142,10 +150,14 @@ def choose_by_trial(
     output_bytes: Sequence[int],
     micro_batches: int,
     link_seconds_per_byte: float,
+    flushing: bool = True,
 ) -> int:
-    """Index of the candidate with the least projected step (the first on a tie)."""
+    """Index of the candidate with the least projected step (the first on a tie); see
+    :func:`candidate_cost` for ``flushing``."""
     costs = [
-        candidate_cost(seconds, boundaries, output_bytes, micro_batches, link_seconds_per_byte)
+        candidate_cost(
+            seconds, boundaries, output_bytes, micro_batches, link_seconds_per_byte, flushing
+        )
         for boundaries, seconds in zip(candidates, measured)
     ]
     return min(range(len(costs)), key=costs.__getitem__)

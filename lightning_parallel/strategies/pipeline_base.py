@@ -124,6 +124,7 @@ class PipelineStrategyBase(PipelineEvaluation):
 
     reports_communication = True
     wraps_in_ddp = False  # no DistributedDataParallel: its keywords are refused
+    flushes = True  # every step ends with the pipeline drained (SpecTrain's never is)
     #: the recomputation mode the runtime and the partitioner assume (GroPipe's ``recompute``)
     recompute: str = "never"
     #: the schedule the partitioner models (GroPipe's; ``None``: 1F1B)
@@ -408,6 +409,7 @@ class PipelineStrategyBase(PipelineEvaluation):
             rank=self.global_rank,
             world_size=self.world_size,
             device=lambda: self.root_device,
+            flushing=self.flushes,
         )
 
     # -- collectives Lightning asks for ------------------------------------------------------

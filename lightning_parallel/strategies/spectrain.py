@@ -140,6 +140,7 @@ class SpecTrainStrategy(PipelineStrategyBase):
 
     reports_communication = True
     step_activity = "no-flush pipeline"
+    flushes = False
 
     def __init__(
         self,

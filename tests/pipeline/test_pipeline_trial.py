@@ -26,6 +26,19 @@ def test_the_measured_step_decides_not_the_projection() -> None:
     assert choose_by_trial(candidates, [[0.03, 0.02], [0.03, 0.02]], [0] * 5, 8, 0.0) == 0
 
 
+def test_a_pipeline_that_never_flushes_takes_the_balanced_split_at_one_micro_batch() -> None:
+    """The 2-layer sleeping model: the balanced split (0.45 s + 0.45 s) against both layers on
+    stage 0 (0.9 s + a head of 1 ms). A flushing step of one micro-batch is their sum either
+    way, and 2 ms of noise decided; SpecTrain's steady state is paced by the slowest stage."""
+    candidates = [[1], [2]]
+    measured = [[0.452, 0.451], [0.9, 0.001]]
+    outputs = [0, 10, 10]
+    assert choose_by_trial(candidates, measured, outputs, 1, 0.0) == 1  # 0.901 < 0.903
+    assert choose_by_trial(candidates, measured, outputs, 1, 0.0, flushing=False) == 0
+    # with micro-batches a flushing pipeline weighs balance too
+    assert choose_by_trial(candidates, measured, outputs, 8, 0.0) == 0
+
+
 def test_a_trial_leaves_weights_buffers_gradients_and_random_state_as_they_were() -> None:
     torch.manual_seed(0)
     layers = [nn.Linear(8, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Dropout(0.5), nn.Linear(8, 2)]
