@@ -8,7 +8,9 @@ measures of :mod:`lightning_parallel.plan.measure`.
    optimizer step of ``training_step`` on the data module's first batch, and
    :func:`~lightning_parallel.plan.measure.pipeline_layers` the chain a pipeline would split,
    at each micro-batch count asked for; the low-rank codec work of every matrix shape is timed
-   too (:func:`~lightning_parallel.plan.measure.codec_timings`).
+   too (:func:`~lightning_parallel.plan.codecs.codec_timings`), and what torch's PowerSGD hook
+   adds to a step, in the fit's world of one process
+   (:func:`~lightning_parallel.plan.codecs.comm_hook_seconds`).
 """
 
 from __future__ import annotations
@@ -90,7 +92,8 @@ def profile_module(
     import torch
 
     from lightning_parallel.compat.namespaces import PYTORCH_LIGHTNING, of_object
-    from lightning_parallel.plan.measure import codec_timings, pipeline_layers, profile_step
+    from lightning_parallel.plan.codecs import codec_timings
+    from lightning_parallel.plan.measure import pipeline_layers, profile_step
 
     lightning = (of_object(model) or PYTORCH_LIGHTNING).module()
     threads_before = torch.get_num_threads()
@@ -110,7 +113,8 @@ def profile_module(
             callbacks=[probe],
         )  # fmt: skip
         trainer.fit(model, datamodule=datamodule)
-    torch.set_num_threads(threads)
+        torch.set_num_threads(threads)
+        hooks = _hook_timings(model, datamodule)
     warmup = min(2, max(0, len(probe.step_seconds) - 1))
     steady = sorted(probe.step_seconds[warmup:])
     trainer_step = steady[len(steady) // 2] if steady else None
@@ -128,6 +132,7 @@ def profile_module(
     return replace(
         profile,
         codec_seconds=codecs,
+        hook_seconds=hooks,
         trainer_step_s=trainer_step,
         base_rss_bytes=base,
         peak_rss_bytes=probe.peak_rss_bytes or None,
@@ -140,6 +145,23 @@ def profile_module(
             "drop_last": bool(getattr(loader, "drop_last", False)),
         },
     )
+
+
+def _hook_timings(model: Any, datamodule: Any) -> dict[str, float]:
+    """What ``ddp_powersgd``'s hook (at its defaults, as the strategy registers it) adds to a
+    step, keyed ``"ddp_powersgd@RANK"``; empty where it could not be measured."""
+    from lightning_parallel.plan.codecs import comm_hook_seconds
+    from lightning_parallel.strategies.ddp_hooks import PowerSGDDDPStrategy
+
+    strategy = PowerSGDDDPStrategy()
+    batch = next(iter(datamodule.train_dataloader()))
+    seconds = comm_hook_seconds(
+        model, batch, strategy.make_comm_hook(), strategy.make_comm_state(),
+        warmup=strategy.start_powerSGD_iter + 1,
+    )  # fmt: skip
+    if seconds is None:
+        return {}
+    return {f"ddp_powersgd@{strategy.matrix_approximation_rank}": seconds}
 
 
 def _first_optimizer(configured: Any) -> Any:

@@ -100,7 +100,7 @@ def predict_averaging(
     traffic = Traffic()
     local = profile.step_s
     if loss_rules:
-        loss = all_reduce(cluster, 8.0)
+        loss = all_reduce(cluster, 8.0, element_bytes=8)
         traffic.add(loss)
         local += loss.seconds
     transfer = round_transfer(cluster, profile.parameter_bytes / fragments, dtype)

@@ -14,11 +14,19 @@ bound).
 
 **PowerSGD** (torch's hook, rank ``r``, matrices worth compressing: ``n m / ((n + m) r) > 2``):
 per bucket three allreduces in a row (the uncompressed tensors, then every ``P = M Q``, then
-every ``Q = M^T P``) and the compression work on the core before them (timed in the profile,
-:func:`~lightning_parallel.plan.measure.codec_timings`).
+every ``Q = M^T P``) and the hook's work on the core before them: what the hook measured
+adding to a step in the profile's world of one process
+(:func:`~lightning_parallel.plan.codecs.comm_hook_seconds`), else the low-rank products alone
+(:func:`~lightning_parallel.plan.codecs.codec_timings`), shared among the buckets. On gloo the
+strategy finishes each bucket's allreduces inside its hook call (``serialize_buckets``: gloo
+matches collectives by their order), so backward waits for them: nothing overlaps and the
+step is ``compute + work + every allreduce``; on an accelerator (NCCL) the buckets overlap
+backward as DDP's do.
 
 **Hylo** (defaults: rank-8 factors for convolution and fully-connected weights of at least
-8,192 values, everything else dense): every low-rank layer's ``P`` fused into one allreduce,
+8,192 values, everything else dense; its codec work timed in its own order of the products,
+:func:`~lightning_parallel.plan.codecs.blocked_low_rank_seconds`): every low-rank layer's
+``P`` fused into one allreduce,
 the ``Q`` into a second, the dense layers into one, after backward; its cost model keeps a
 layer dense where the dense bytes cost less link time than its factors and their codec work,
 and so does the prediction.
@@ -33,7 +41,7 @@ from typing import Any
 from lightning_parallel.plan.memory import EXTRA_PARAMETER_COPIES, peak_rss_mb
 from lightning_parallel.plan.network import Cluster, Transfer, all_reduce
 from lightning_parallel.plan.prediction import STEADY, Prediction, RunLength, Traffic
-from lightning_parallel.plan.profile import ParameterShape, StepProfile
+from lightning_parallel.plan.profile import BLOCKED, ParameterShape, StepProfile
 
 __all__: list[str] = []
 
@@ -167,7 +175,7 @@ def predict_powersgd(
         4.0 * sum(_matrix(p.shape)) * min(rank, *_matrix(p.shape)) for p in compressed
     )
     dense_bytes = profile.parameter_bytes - sum(p.nbytes for p in compressed)
-    work = sum(profile.low_rank_s(p.shape, rank) for p in compressed)
+    work = _powersgd_work(profile, compressed, rank)
     # the compressed share of every bucket, in proportion to its bytes
     share = (factor_bytes + dense_bytes) / max(1.0, profile.parameter_bytes)
     bucket_list = buckets(ready_times(profile), share)
@@ -183,7 +191,14 @@ def predict_powersgd(
             all_reduce(cluster, bucket.nbytes * p_share),
         ]
 
-    end = _chain(bucket_list, transfers, traffic, extra_s=work / count)
+    serialized = options.get("serialize_buckets")
+    if serialized is None:  # gloo unless the profile was carried to an accelerator
+        serialized = "accelerator_flops_per_second" not in profile.notes
+    if serialized:
+        ready_at_end = [Ready(profile.backward_s, bucket.nbytes) for bucket in bucket_list]
+        end = _chain(ready_at_end, transfers, traffic, extra_s=work / count)
+    else:
+        end = _chain(bucket_list, transfers, traffic, extra_s=work / count)
     # the first start_powerSGD_iter steps allreduce the gradients uncompressed
     start = int(options.get("start_powerSGD_iter", 2))
     dense = all_reduce(cluster, profile.parameter_bytes)
@@ -192,8 +207,27 @@ def predict_powersgd(
         traffic.wire_bytes = (1 - first) * traffic.wire_bytes + first * dense.wire_bytes
         traffic.payload_bytes = (1 - first) * traffic.payload_bytes + first * dense.payload_bytes
     extra = EXTRA_PARAMETER_COPIES["ddp_powersgd"] * profile.parameter_bytes
-    detail = {"rank": rank, "compressed_layers": len(compressed), "codec_s": work}
+    detail = {
+        "rank": rank, "compressed_layers": len(compressed), "codec_s": work,
+        "serialized": bool(serialized),
+    }  # fmt: skip
     return _finish(spec, profile, cluster, traffic, end, "ddp_powersgd", extra, work, detail)
+
+
+def _powersgd_work(profile: StepProfile, compressed: Sequence[ParameterShape], rank: int) -> float:
+    """The hook's work a step: as measured at this rank; measured at another rank, scaled by
+    the products' times at the two ranks; not measured, the products alone."""
+    products = sum(profile.low_rank_s(p.shape, rank) for p in compressed)
+    measured = profile.hook_s(f"ddp_powersgd@{rank}")
+    if measured is not None:
+        return measured
+    for name in profile.hook_seconds:
+        if name.startswith("ddp_powersgd@"):
+            other = int(name.split("@")[1])
+            at_other = sum(profile.low_rank_s(p.shape, other) for p in compressed)
+            seconds = profile.hook_s(name) or 0.0
+            return seconds * products / at_other if at_other > 0 else seconds
+    return products
 
 
 def _worth(parameter: ParameterShape, rank: int, least: float) -> bool:
@@ -223,7 +257,7 @@ def predict_hylo(
             continue
         rows, cols = _matrix(parameter.shape)
         factors = 4.0 * (rows + cols) * min(rank, rows, cols)
-        codec = profile.low_rank_s(parameter.shape, rank)
+        codec = profile.low_rank_s(parameter.shape, rank, BLOCKED)
         saved = all_reduce(cluster, parameter.nbytes).payload_bytes * seconds_per_byte
         spent = all_reduce(cluster, factors).payload_bytes * seconds_per_byte + codec
         if spent < saved:

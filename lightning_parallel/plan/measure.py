@@ -41,7 +41,7 @@ from lightning_parallel.pipeline.export_split import split_layers, stage_zero_in
 from lightning_parallel.pipeline.microbatch import split_microbatches
 from lightning_parallel.pipeline.patching import capture_call, patched
 from lightning_parallel.pipeline.profile import LayerCost, SavedTensorMeter, clock, profile_layers
-from lightning_parallel.plan.profile import LayerProfile, ParameterShape, StepProfile, codec_key
+from lightning_parallel.plan.profile import LayerProfile, ParameterShape, StepProfile
 
 __all__: list[str] = []
 
@@ -242,43 +242,3 @@ def _to_chain_time(costs: Sequence[LayerCost], chain: float) -> tuple[LayerCost,
         )
         for cost in costs
     )
-
-
-def low_rank_seconds(shape: Sequence[int], rank: int, repeats: int = 3) -> float:
-    """Time of one low-rank round trip of a gradient of ``shape`` at ``rank`` on this process
-    (PowerSGD's and Hylo's work per layer and step, the allreduces aside): ``M = g + e``,
-    ``P = M Q``, orthonormalize ``P``, ``Q = M^T P``, ``P Q^T`` and the residual ``M - P Q^T``.
-    The median of ``repeats`` runs after one warm-up."""
-    rows = int(shape[0])
-    cols = 1
-    for size in shape[1:]:
-        cols *= int(size)
-    r = max(1, min(rank, rows, cols))
-    grad, error = torch.randn(rows, cols), torch.zeros(rows, cols)
-    q = torch.randn(cols, r)
-    samples = []
-    for index in range(repeats + 1):
-        start = clock()
-        matrix = grad + error
-        p = torch.linalg.qr(matrix @ q).Q
-        q = matrix.T @ p
-        error = matrix - p @ q.T
-        if index:
-            samples.append(clock() - start)
-    return _median_seconds(samples)
-
-
-def codec_timings(
-    parameters: Sequence[ParameterShape], ranks: Sequence[int] = (2, 8)
-) -> dict[str, float]:
-    """:func:`low_rank_seconds` of every distinct matrix shape among ``parameters`` (two or
-    more dimensions) at each of ``ranks`` (PowerSGD's default 2, Hylo's 8)."""
-    timings: dict[str, float] = {}
-    for parameter in parameters:
-        if len(parameter.shape) < 2:
-            continue
-        for rank in ranks:
-            key = codec_key(parameter.shape, rank)
-            if key not in timings:
-                timings[key] = low_rank_seconds(parameter.shape, rank)
-    return timings

@@ -19,6 +19,11 @@ from lightning_parallel.pipeline.profile import LayerCost, ModelProfile
 
 __all__: list[str] = []
 
+#: the order of a low-rank round trip's products (:mod:`~lightning_parallel.plan.codecs`):
+#: torch's PowerSGD (``PLAIN``) or Hylo's blocked one (``BLOCKED``)
+PLAIN = "plain"
+BLOCKED = "blocked"
+
 
 @dataclass(frozen=True)
 class ParameterShape:
@@ -70,22 +75,31 @@ class StepProfile:
     threads: int = 1
     flops: float = 0.0
     codec_seconds: dict[str, float] = field(default_factory=dict)
+    hook_seconds: dict[str, float] = field(default_factory=dict)
     compute_scale: float = 1.0
     layer_profiles: tuple[LayerProfile, ...] = ()
     pipeline_error: str | None = None
     notes: dict[str, Any] = field(default_factory=dict)
 
-    def low_rank_s(self, shape: Sequence[int], rank: int) -> float:
-        """One low-rank round trip's work for a gradient of ``shape`` at ``rank``: from the
-        profile (:func:`codec_timings`), else timed now; either at the profile's compute
-        scale (:meth:`scaled`)."""
-        key = codec_key(shape, rank)
-        seconds = self.codec_seconds.get(key)
+    def low_rank_s(self, shape: Sequence[int], rank: int, order: str = PLAIN) -> float:
+        """One low-rank round trip's work for a gradient of ``shape`` at ``rank`` with the
+        products in ``order``: from the profile
+        (:func:`~lightning_parallel.plan.codecs.codec_timings`), else timed now; either at the
+        profile's compute scale (:meth:`scaled`)."""
+        seconds = self.codec_seconds.get(codec_key(shape, rank, order))
         if seconds is None:
-            from lightning_parallel.plan.measure import low_rank_seconds
+            from lightning_parallel.plan.codecs import blocked_low_rank_seconds, low_rank_seconds
 
-            seconds = low_rank_seconds(shape, rank)
+            timer = blocked_low_rank_seconds if order == BLOCKED else low_rank_seconds
+            seconds = timer(shape, rank)
         return seconds * self.compute_scale
+
+    def hook_s(self, name: str) -> float | None:
+        """What the communication hook ``name`` measured adding to a step
+        (:func:`~lightning_parallel.plan.codecs.comm_hook_seconds`), at the profile's compute
+        scale; ``None`` where not measured."""
+        seconds = self.hook_seconds.get(name)
+        return None if seconds is None else seconds * self.compute_scale
 
     @property
     def parameter_bytes(self) -> int:
@@ -200,10 +214,12 @@ class StepProfile:
         return cls(**values)
 
 
-def codec_key(shape: Sequence[int], rank: int) -> str:
-    """The key of a low-rank timing: the matrix's ``rows x cols`` and the rank."""
+def codec_key(shape: Sequence[int], rank: int, order: str = PLAIN) -> str:
+    """The key of a low-rank timing: the matrix's ``rows x cols``, the rank, the order of the
+    products (the plain order unmarked)."""
     rows = int(shape[0])
     cols = 1
     for size in shape[1:]:
         cols *= int(size)
-    return f"{rows}x{cols}@{min(rank, rows, cols)}"
+    key = f"{rows}x{cols}@{min(rank, rows, cols)}"
+    return key if order == PLAIN else f"{order}:{key}"

@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_parallel.plan.measure import low_rank_seconds, pipeline_layers, profile_step
+from lightning_parallel.plan.codecs import low_rank_seconds
+from lightning_parallel.plan.measure import pipeline_layers, profile_step
 from lightning_parallel.plan.profile import StepProfile
 
 
