@@ -208,18 +208,21 @@ def predictions_for(
     bandwidth: str,
     latency: str,
     steps: int | None = None,
+    burst_bytes: float = 0.0,
 ) -> list[dict[str, Any]]:
     """The predictions (JSON records, fastest first) for ``specs`` from a profile's record on
     the cluster given (no profiling: a plan for another cluster is instant); ``steps``: the
-    run's length, whose one-off bytes then count per step as the bench counts them."""
+    run's length, whose one-off bytes then count per step as the bench counts them;
+    ``burst_bytes``: the links' token bucket (the bench's simulated hosts)."""
     from lightning_parallel.plan.network import Cluster
     from lightning_parallel.plan.planner import predict, ranked
     from lightning_parallel.plan.profile import StepProfile
 
     strategies = [(text, *strategy_options(text)) for text in specs]
     cluster = Cluster.parse(
-        hosts=hosts, processes_per_host=processes_per_host, bandwidth=bandwidth, latency=latency
-    )
+        hosts=hosts, processes_per_host=processes_per_host, bandwidth=bandwidth,
+        latency=latency, burst_bytes=burst_bytes,
+    )  # fmt: skip
     loaded = StepProfile.from_dict(profile)
     run = run_length(loaded, cluster.world, steps)
     predictions = ranked(predict(loaded, cluster, strategies, run))

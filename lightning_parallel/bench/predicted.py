@@ -74,17 +74,24 @@ def predict_runs(
     profile: dict[str, Any], specs: list[str], config: BenchConfig, latency_emulated: bool
 ) -> dict[str, dict[str, Any]]:
     """The plan's prediction for each SPEC, by SPEC text, on the cluster the runs had: without
-    emulated latency (no netem qdisc in this kernel) the links had none."""
+    emulated latency (no netem qdisc in this kernel) the links had none; the simulated hosts'
+    token bucket lets its burst through at once after the link idled."""
     from lightning_parallel.bench.plan import predictions_for
+    from lightning_parallel.cluster.network import token_bucket_burst_bytes
+    from lightning_parallel.cluster.units import parse_bandwidth
 
     bandwidth, latency = (
         LOOPBACK if config.network == "local" else (config.bandwidth, config.latency)
     )
     if not latency_emulated:
         latency = "0"
+    burst = 0.0
+    if config.network != "local":
+        burst = float(token_bucket_burst_bytes(parse_bandwidth(bandwidth)))
     record = predictions_for(
         profile, specs, hosts=config.hosts, processes_per_host=config.procs_per_host,
         bandwidth=bandwidth, latency=latency, steps=run_steps(profile, config),
+        burst_bytes=burst,
     )  # fmt: skip
     return {p["spec"]: p for p in record}
 

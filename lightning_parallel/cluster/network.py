@@ -195,6 +195,13 @@ class Host:
     bridge_port: str
 
 
+def token_bucket_burst_bytes(rate_bits: float) -> int:
+    """The bytes a host's token bucket lets through at once after its link idled: it must hold
+    a whole GSO super-packet (64 KiB) and ~2 ms of traffic so that the timer granularity does
+    not cap the rate. At 10 Mbit/s its 70 kB are 56 ms of the link's time."""
+    return max(int(rate_bits / 8.0 * 0.002), 70_000)
+
+
 class SimulatedNetwork:
     """N hosts in their own network namespaces, linked through one bridge by shaped links.
 
@@ -313,9 +320,8 @@ class SimulatedNetwork:
 
     def _token_bucket(self) -> list[str]:
         rate_bytes = self.rate_bits / 8.0
-        # the bucket must hold a whole GSO super-packet (64 KiB) and ~2 ms of traffic so that
-        # the timer granularity does not cap the rate; the queue ~20 ms of traffic
-        burst = max(int(rate_bytes * 0.002), 70_000)
+        burst = token_bucket_burst_bytes(self.rate_bits)
+        # the queue ~20 ms of traffic
         limit = max(int(rate_bytes * 0.02), 4 * burst)
         return ["tbf", "rate", f"{self.rate_bits}bit", "burst", str(burst), "limit", str(limit)]
 

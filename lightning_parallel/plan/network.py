@@ -96,10 +96,12 @@ ETHERNET = Framing(packet_bytes=SEGMENT_BYTES, packets_per_ack=2.0)
 @dataclass(frozen=True)
 class Link:
     """One host's connection: ``bandwidth`` bits/s each way (as ``tc`` shapes it), one-way
-    ``latency`` seconds."""
+    ``latency`` seconds; ``burst_bytes`` a token bucket lets through at once after the link
+    idled (the simulated hosts' shaper; 0 for a real link)."""
 
     bandwidth: float
     latency: float
+    burst_bytes: float = 0.0
 
     def __post_init__(self) -> None:
         if self.bandwidth <= 0 or self.latency < 0:
@@ -109,6 +111,12 @@ class Link:
         """``L + nbytes · 8 · shaping_factor · sharing / bandwidth``: one message's time."""
         bits = nbytes * 8.0 * framing.shaping_factor * sharing
         return self.latency + bits / self.bandwidth
+
+    def burst_seconds(self, idle_s: float) -> float:
+        """Link time a step's traffic saves when the link idled ``idle_s`` before it: the
+        token bucket refills at the link's rate up to ``burst_bytes``, which then pass at once."""
+        rate = self.bandwidth / 8.0
+        return min(self.burst_bytes, max(0.0, idle_s) * rate) / rate
 
 
 @dataclass(frozen=True)
@@ -152,6 +160,7 @@ class Cluster:
         intra_bandwidth: str | None = None,
         intra_latency: str | None = None,
         hosts_per_link: int = 1,
+        burst_bytes: float = 0.0,
     ) -> Cluster:
         """A cluster from ``tc``-style text: ``Cluster.parse(4, 1, "100mbit", "1ms")``.
 
@@ -163,7 +172,7 @@ class Cluster:
             parse_bandwidth(intra_bandwidth) if intra_bandwidth else default.bandwidth,
             parse_latency(intra_latency) if intra_latency else default.latency,
         )
-        inter = Link(parse_bandwidth(bandwidth), parse_latency(latency))
+        inter = Link(parse_bandwidth(bandwidth), parse_latency(latency), burst_bytes)
         return cls(hosts, processes_per_host, inter, intra, hosts_per_link)
 
 

@@ -55,6 +55,17 @@ def test_ddp_without_layer_times_waits_for_the_whole_allreduce() -> None:
     assert ddp.peak_rss_mb == pytest.approx(500.0)
 
 
+def test_a_token_bucket_burst_passes_at_once_after_the_compute() -> None:
+    """The simulated hosts' shaper: 70 kB refilled while the link idled pass at once, 56 ms
+    at 10 Mbit/s; at most what the compute's idle link refilled."""
+    profile = _profile(layers=False)
+    plain = Cluster.parse(2, 1, "10mbit", "0")
+    shaped = Cluster.parse(2, 1, "10mbit", "0", burst_bytes=70_000)
+    saved = _one("ddp", profile, plain).step_s - _one("ddp", profile, shaped).step_s
+    assert saved == pytest.approx(70_000 / 1.25e6)
+    assert shaped.inter.burst_seconds(0.01) == pytest.approx(0.01)
+
+
 def test_ddp_overlaps_buckets_with_backward_on_a_fast_link() -> None:
     profile = _profile()
     slow = _one("ddp", profile, _cluster("100mbit"))
