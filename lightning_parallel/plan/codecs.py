@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_parallel.compression.low_rank import orthonormalize, row_blocks
+from lightning_parallel.compression.low_rank import matrix_shape, orthonormalize, row_blocks
 from lightning_parallel.pipeline.microbatch import batch_size, split_microbatches
 from lightning_parallel.pipeline.patching import patched
 from lightning_parallel.pipeline.profile import clock
@@ -42,19 +42,11 @@ from lightning_parallel.plan.profile import BLOCKED, PLAIN, ParameterShape, code
 __all__: list[str] = []
 
 
-def _matrix(shape: Sequence[int]) -> tuple[int, int]:
-    rows = int(shape[0])
-    cols = 1
-    for size in shape[1:]:
-        cols *= int(size)
-    return rows, cols
-
-
 def low_rank_seconds(shape: Sequence[int], rank: int, repeats: int = 3) -> float:
     """One low-rank round trip of a gradient of ``shape`` at ``rank`` in the plain order of
     the products (torch's PowerSGD): ``M = g + e``, ``P = M Q``, orthonormalize ``P``,
     ``Q = M^T P``, ``P Q^T`` and the residual ``M - P Q^T``."""
-    rows, cols = _matrix(shape)
+    rows, cols = matrix_shape(tuple(shape))
     r = max(1, min(rank, rows, cols))
     grad, error = torch.randn(rows, cols), torch.zeros(rows, cols)
     q = torch.randn(cols, r)
@@ -74,7 +66,7 @@ def blocked_low_rank_seconds(shape: Sequence[int], rank: int, repeats: int = 3) 
     """One low-rank round trip in Hylo's order (see the module docstring): the residual
     storage is compensated and projected block of rows by block of rows, ``Q = (P^T M)^T``,
     and the estimate and residual written back per block."""
-    rows, cols = _matrix(shape)
+    rows, cols = matrix_shape(tuple(shape))
     r = max(1, min(rank, rows, cols))
     gradient = torch.randn(rows, cols)
     residual = torch.zeros(rows, cols)

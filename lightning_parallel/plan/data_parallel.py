@@ -42,6 +42,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from lightning_parallel.compression.low_rank import matrix_shape
 from lightning_parallel.plan.memory import EXTRA_PARAMETER_COPIES, peak_rss_mb
 from lightning_parallel.plan.network import Cluster, Transfer, all_reduce
 from lightning_parallel.plan.prediction import STEADY, Prediction, RunLength, Traffic
@@ -159,14 +160,6 @@ def predict_ddp(
     return _finish(spec, profile, cluster, traffic, end, "ddp", 0.0, detail=detail)
 
 
-def _matrix(shape: Sequence[int]) -> tuple[int, int]:
-    rows = int(shape[0])
-    cols = 1
-    for size in shape[1:]:
-        cols *= int(size)
-    return rows, cols
-
-
 def predict_powersgd(
     spec: str,
     profile: StepProfile,
@@ -178,9 +171,7 @@ def predict_powersgd(
     rank = int(options.get("matrix_approximation_rank", options.get("rank", 2)))
     least = float(options.get("min_compression_rate", 2.0))
     compressed = [p for p in profile.parameters if len(p.shape) >= 2 and _worth(p, rank, least)]
-    factor_bytes = sum(
-        4.0 * sum(_matrix(p.shape)) * min(rank, *_matrix(p.shape)) for p in compressed
-    )
+    factor_bytes = _factor_bytes(compressed, rank)
     dense_bytes = profile.parameter_bytes - sum(p.nbytes for p in compressed)
     work = _powersgd_work(profile, compressed, rank)
     # the compressed share of every bucket, in proportion to its bytes
@@ -221,6 +212,13 @@ def predict_powersgd(
     return _finish(spec, profile, cluster, traffic, end, "ddp_powersgd", extra, work, detail)
 
 
+def _factor_bytes(parameters: Sequence[ParameterShape], rank: int) -> float:
+    """Bytes of the float32 factors ``P`` and ``Q`` of every parameter at ``rank``."""
+    return sum(
+        4.0 * sum(matrix_shape(p.shape)) * min(rank, *matrix_shape(p.shape)) for p in parameters
+    )
+
+
 def _powersgd_work(profile: StepProfile, compressed: Sequence[ParameterShape], rank: int) -> float:
     """The hook's work a step: as measured at this rank; measured at another rank, scaled by
     the products' times at the two ranks; not measured, the products alone."""
@@ -238,7 +236,7 @@ def _powersgd_work(profile: StepProfile, compressed: Sequence[ParameterShape], r
 
 
 def _worth(parameter: ParameterShape, rank: int, least: float) -> bool:
-    rows, cols = _matrix(parameter.shape)
+    rows, cols = matrix_shape(parameter.shape)
     return rows * cols / ((rows + cols) * rank) > least
 
 
@@ -262,7 +260,7 @@ def predict_hylo(
     for parameter in profile.parameters:
         if len(parameter.shape) < 2 or parameter.numel < least:
             continue
-        rows, cols = _matrix(parameter.shape)
+        rows, cols = matrix_shape(parameter.shape)
         factors = 4.0 * (rows + cols) * min(rank, rows, cols)
         codec = profile.low_rank_s(parameter.shape, rank, BLOCKED)
         saved = all_reduce(cluster, parameter.nbytes).payload_bytes * seconds_per_byte
@@ -270,7 +268,7 @@ def predict_hylo(
         if spent < saved:
             low_rank.append(parameter)
             work += codec
-    factor_bytes = sum(4.0 * sum(_matrix(p.shape)) * min(rank, *_matrix(p.shape)) for p in low_rank)
+    factor_bytes = _factor_bytes(low_rank, rank)
     dense = profile.parameter_bytes - sum(p.nbytes for p in low_rank)
     traffic = Traffic()
     rounds = [all_reduce(cluster, dense)]
