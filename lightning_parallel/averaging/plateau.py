@@ -113,8 +113,10 @@ class LossSpike:
        at the starting level) for ``K`` steps in a row; the rule is then disarmed and ``B``
        restarts at ``L``, so it fires again only after the loss has fallen ``δ`` below ``S``
        once more (a roll-back to a point that is itself on the plateau does not repeat);
-    4. while armed and ``L ≥ B + c·(S − B)/2`` the loss is :attr:`unsettled`: the caller keeps
-       no new point to roll back to (a round inside the climb would otherwise become it).
+    4. while armed and ``L ≥ B + c·(S − B)/2`` the loss is :attr:`unsettled`: the caller holds
+       a round kept then apart from the point to roll back to (a round inside a climb that
+       ends in a regression may be dead) and makes it that point only once the loss is
+       settled again (the climb was transient and training went on from it).
 
     ``P`` and ``S`` differ once an armed loss climbs above where it started: ``P`` follows it
     (a later step up to that height is excused, as before the regression existed), ``S`` does

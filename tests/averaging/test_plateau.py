@@ -498,3 +498,54 @@ def test_a_regression_rolls_back_to_the_point_from_before_the_climb() -> None:
         assert (result["rollbacks"], result["regressions"]) == (1, 1)
         assert result["rounds"] == 4  # after steps 2, 5, 8 and 11
         assert result["equal_to_agreed"]
+
+
+@pytest.mark.parametrize("settles", [True, False])
+def test_a_round_held_inside_a_climb_becomes_safe_once_the_loss_settles(settles: bool) -> None:
+    # armed at step 2; a climb makes the loss unsettled at step 8, so the round after step 8
+    # is held; with ``settles`` the loss falls back under the half-way mark at step 9 and the
+    # spike at step 11 rolls back to that held round (bmuf seed 4 went back to the round
+    # before the climb, 33 steps); a climb still under way at the spike goes back before it
+    after = [0.8, 0.8] if settles else [2.2, 2.2]
+    losses = [2.3, 2.3, 1.0, 1.0, 1.0, 1.0, 2.2, 2.2, 2.2, *after, 10.0]
+
+    def run(rank: int, world: int) -> dict[str, object]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        engine = ReplicaAveraging(
+            model,
+            [optimizer],
+            PeriodicAverager(),
+            AveragingSchedule(3),
+            build_reduction("flat"),
+            ledger=CommLedger(),
+            spike=LossSpike(ratio=2.0),
+        )
+        engine.broadcast_replicas()
+        agreed: dict[int, Tensor] = {}
+        for step, loss in enumerate(losses):
+            engine.synchronize()
+            if step in (6, 9):  # the rounds after steps 5 and 8 were applied here
+                agreed[step] = torch.cat(
+                    [p.detach().reshape(-1).clone() for p in model.parameters()]
+                )
+            inputs, targets = _batch(rank, step)
+            optimizer.zero_grad()
+            nn.functional.mse_loss(model(inputs), targets).backward()
+            engine.observe_loss(loss)
+            optimizer.step()
+            engine.count_optimizer_step()
+        engine.synchronize()
+        rolled = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        assert engine.spike is not None
+        return {
+            "rollbacks": engine.rollbacks,
+            "spikes": engine.spike.spikes,
+            "regressions": engine.spike.regressions,
+            "rolled_to": [step for step, point in agreed.items() if torch.equal(rolled, point)],
+        }
+
+    for result in run_distributed(run, 2):
+        assert (result["rollbacks"], result["spikes"], result["regressions"]) == (1, 1, 0)
+        assert result["rolled_to"] == ([9] if settles else [6])
