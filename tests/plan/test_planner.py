@@ -108,6 +108,12 @@ def test_round_counts_over_a_run() -> None:
     assert round_counts(RunLength(steps=32, epoch_steps=16), 8, 1) == 3 / 32
     # 4 fragments of H = 16 end rounds at 4, 8, 12, 16, ... (not at the last step, 32)
     assert round_counts(RunLength(steps=32), 16, 4) == 7 / 32
+    # fragmented, every validation runs a round of every fragment, then the phases restart:
+    # 40 steps in epochs of 32 (streaming DiLoCo on gpt, 4 hosts) are 8 + 4 + 1 rounds
+    assert round_counts(RunLength(steps=40, epoch_steps=32), 16, 4) == 13 / 40
+    # EASGD's replicas are not in consensus after a round: each validation exchanges the mean
+    assert round_counts(RunLength(steps=40, epoch_steps=32), 4, 1, consensus=False) == 10 / 40
+    assert round_counts(RunLength(steps=40, epoch_steps=32), 4, 1) == 9 / 40
 
 
 def test_the_parameter_server_mixes_fast_local_and_slow_remote_steps() -> None:
