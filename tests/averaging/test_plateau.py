@@ -206,18 +206,7 @@ def test_window_zero_reproduces_the_former_behaviour() -> None:
         _train(engine, model, optimizer, rank, range(12))
         engine.finish()
         before = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-        torch.manual_seed(0)
-        plain = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
-        plain_optimizer = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
-        engine = ReplicaAveraging(
-            plain,
-            [plain_optimizer],
-            PeriodicAverager(),
-            AveragingSchedule(3),
-            build_reduction("flat"),
-            ledger=CommLedger(),
-        )
-        engine.broadcast_replicas()
+        plain, plain_optimizer, engine = _watched_replicas(spike=False)
         _train(engine, plain, plain_optimizer, rank, range(12))
         engine.finish()
         after = torch.cat([p.detach().reshape(-1) for p in plain.parameters()])
@@ -406,19 +395,7 @@ def test_a_spike_rolls_every_replica_back_to_the_last_agreed_point() -> None:
         return 10.0 if step == 7 else 2.0
 
     def run(rank: int, world: int) -> dict[str, object]:
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        engine = ReplicaAveraging(
-            model,
-            [optimizer],
-            OuterOptimizerAverager(diloco_outer_optimizer()),
-            AveragingSchedule(3),
-            build_reduction("flat"),
-            ledger=CommLedger(),
-            spike=LossSpike(ratio=2.0),
-        )
-        engine.broadcast_replicas()
+        model, optimizer, engine = _watched_replicas(outer=True)
         agreed = None
         for step in range(9):
             engine.synchronize()
@@ -452,6 +429,28 @@ def test_a_spike_rolls_every_replica_back_to_the_last_agreed_point() -> None:
     assert not torch.equal(results[0]["rolled"], results[1]["rolled"])  # step 8 was local
 
 
+def _watched_replicas(
+    spike: bool = True, outer: bool = False
+) -> tuple[nn.Module, torch.optim.Optimizer, ReplicaAveraging]:
+    """A small model averaged every 3 steps (DiLoCo's outer optimizer with ``outer``, else
+    plain averaging; the spike and regression rules unless not ``spike``), replicas broadcast
+    (inside a distributed run)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    engine = ReplicaAveraging(
+        model,
+        [optimizer],
+        OuterOptimizerAverager(diloco_outer_optimizer()) if outer else PeriodicAverager(),
+        AveragingSchedule(3),
+        build_reduction("flat"),
+        ledger=CommLedger(),
+        spike=LossSpike(ratio=2.0) if spike else None,
+    )
+    engine.broadcast_replicas()
+    return model, optimizer, engine
+
+
 def test_a_regression_rolls_back_to_the_point_from_before_the_climb() -> None:
     # the loss falls (armed at step 3), climbs from step 6 (unsettled from step 7) and is back
     # at the start from step 10: the third step there, 12, fires; the rounds after steps 8 and
@@ -459,19 +458,7 @@ def test_a_regression_rolls_back_to_the_point_from_before_the_climb() -> None:
     climbing = [2.3, 2.3, 1.2, 1.0, 1.0, 1.0] + [2.6] * 7
 
     def run(rank: int, world: int) -> dict[str, object]:
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        engine = ReplicaAveraging(
-            model,
-            [optimizer],
-            PeriodicAverager(),
-            AveragingSchedule(3),
-            build_reduction("flat"),
-            ledger=CommLedger(),
-            spike=LossSpike(ratio=2.0),
-        )
-        engine.broadcast_replicas()
+        model, optimizer, engine = _watched_replicas()
         agreed = None
         for step in range(13):
             engine.synchronize()
@@ -510,19 +497,7 @@ def test_a_round_held_inside_a_climb_becomes_safe_once_the_loss_settles(settles:
     losses = [2.3, 2.3, 1.0, 1.0, 1.0, 1.0, 2.2, 2.2, 2.2, *after, 10.0]
 
     def run(rank: int, world: int) -> dict[str, object]:
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        engine = ReplicaAveraging(
-            model,
-            [optimizer],
-            PeriodicAverager(),
-            AveragingSchedule(3),
-            build_reduction("flat"),
-            ledger=CommLedger(),
-            spike=LossSpike(ratio=2.0),
-        )
-        engine.broadcast_replicas()
+        model, optimizer, engine = _watched_replicas()
         agreed: dict[int, Tensor] = {}
         for step, loss in enumerate(losses):
             engine.synchronize()
