@@ -10,13 +10,15 @@ codec is timed the way its implementation does it:
    the hook registered on torch's ``DistributedDataParallel`` in a world of one process (its
    allreduces then move nothing) against the same wrapper without it, step for step, on a
    few samples (the hook's work does not depend on the batch). On ``resnet18`` (61 small
-   tensors) it added 89 ms a step where the products alone took 4 ms.
+   tensors) it measured 10-20 ms a step (4 and 32 samples, the machine idle), several times
+   the products alone.
 2. **Hylo's low-rank route**
    (:mod:`~lightning_parallel.compression.exchange_low_rank`): ``M = g + e`` and ``P = M Q``
    block of rows by block of rows, ``P = orthonormalize(P)``, ``Q = (P^T M)^T`` (not the
    transposed read ``M^T P``), then ``P Q^T`` and the residual per block.
    :func:`blocked_low_rank_seconds` times that order; on ``vgg_mini``'s 4096 x 2048 layer at
-   rank 8 it took 51 ms where the plain order (:func:`low_rank_seconds`) took 203 ms.
+   rank 8 it took 51 ms where the plain order (:func:`low_rank_seconds`) took 203 ms (one
+   timing each, the machine shared with a bench).
 
 Each timing is the median of ``repeats`` runs after one warm-up.
 """
