@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 from collections.abc import Iterator
@@ -33,6 +34,24 @@ def _environment() -> Iterator[None]:
     if os.environ != saved:
         os.environ.clear()
         os.environ.update(saved)
+
+
+@pytest.fixture(autouse=True)
+def _ports(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Lightning's launchers pick ``MASTER_PORT`` by binding port 0, which races with the other
+    pytest-xdist workers' ports: in tests they take this worker's next port instead
+    (:func:`helpers.distributed.free_port`)."""
+    from helpers.distributed import free_port
+
+    for name in (
+        "lightning_fabric.plugins.environments.lightning",
+        "lightning.fabric.plugins.environments.lightning",
+    ):
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        monkeypatch.setattr(module, "find_free_network_port", free_port)
 
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
