@@ -241,6 +241,57 @@ def adopt_tensors(original: nn.Module, current: nn.Module) -> None:
                 slots[key] = now[key]  # type: ignore[assignment]
 
 
+@dataclass(frozen=True)
+class TensorSlot:
+    """A parameter or buffer slot of a module that holds one of the model's tensors.
+
+    Attributes:
+        module: the module holding the slot (a split layer, or a module inside one).
+        kind: ``"_parameters"`` or ``"_buffers"``.
+        key: the slot's key in that dictionary.
+        name: the model's name of the tensor it held when recorded.
+    """
+
+    module: nn.Module
+    kind: str
+    key: str
+    name: str
+
+
+def tensor_slots(modules: Iterable[nn.Module], model: nn.Module) -> list[TensorSlot]:
+    """Every parameter and buffer slot of ``modules`` and their submodules that holds one of
+    ``model``'s tensors, with that tensor's name in ``model``.
+
+    A split layer may hold the model's tensors in slots of its own: a graph segment's
+    ``get_attr`` of a parameter that sits on the split module itself (a vision transformer's
+    position embedding) is an attribute of the segment. Anything that gives the model new
+    tensors (a device move, loading a state dict with ``assign=True``) leaves those slots on
+    the old ones: :func:`repoint` puts them back on the model's."""
+    name_of = TensorNames.of(model).name_of()
+    slots: list[TensorSlot] = []
+    for module in _all_modules(modules):
+        for kind in ("_parameters", "_buffers"):
+            for key, tensor in getattr(module, kind).items():
+                if tensor is not None and id(tensor) in name_of:
+                    slots.append(TensorSlot(module, kind, key, name_of[id(tensor)]))
+    return slots
+
+
+def repoint(slots: Iterable[TensorSlot], model: nn.Module) -> int:
+    """Point each slot at ``model``'s tensor of the slot's name now (a name the model no longer
+    has leaves its slot as it is). Returns how many slots changed."""
+    names = TensorNames.of(model)
+    now: dict[str, Tensor] = {**names.parameters, **names.buffers}
+    changed = 0
+    for slot in slots:
+        tensor = now.get(slot.name)
+        held = getattr(slot.module, slot.kind)
+        if tensor is not None and held.get(slot.key) is not tensor:
+            held[slot.key] = tensor
+            changed += 1
+    return changed
+
+
 class TiedAcrossStagesError(ValueError):
     """A tensor is used by two stages; the message names the fix."""
 

@@ -73,7 +73,13 @@ from lightning_parallel.pipeline.export_split import (
     stage_zero_inputs,
 )
 from lightning_parallel.pipeline.grad_sync import PartitionGradientSync
-from lightning_parallel.pipeline.ownership import TensorNames, restrict_optimizers
+from lightning_parallel.pipeline.ownership import (
+    TensorNames,
+    TensorSlot,
+    repoint,
+    restrict_optimizers,
+    tensor_slots,
+)
 from lightning_parallel.pipeline.partition import PartitionPlan
 from lightning_parallel.pipeline.patching import capture_call, patched
 from lightning_parallel.pipeline.schedule import Schedule
@@ -179,6 +185,7 @@ class PipelineStrategyBase(PipelineEvaluation):
         self._pipeline = None
         self._boundaries = None
         self._layers: list[nn.Module] | None = None
+        self._layer_slots: list[TensorSlot] = []  # the layers' slots of the model's tensors
         self._call: FlatCall | None = None  # how the exported layers are called
         self._target: SplitTarget | None = None
         self._resume = None
@@ -343,6 +350,9 @@ class PipelineStrategyBase(PipelineEvaluation):
                 check_forward_is_layers(module, body, example)
             if self._layers is None:
                 self._layers, self._call, example = split_layers(body, example, self._call)
+                self._layer_slots = tensor_slots(self._layers, module)
+            else:  # a later run: the model's tensors may be new ones (gathered, moved)
+                repoint(self._layer_slots, module)
             layers = self._layers
             boundaries, plan = self._choose_boundaries(layers, example)
         stages = split_stages(layers, boundaries)

@@ -77,6 +77,20 @@ class TracedConvBatchNormNet(ConvBatchNormNet):
         return self.out(self.relu2(self.hidden(x)))
 
 
+class PositionEmbeddedNet(TracedConvBatchNormNet):
+    """:class:`TracedConvBatchNormNet` with parameters of its own, outside its submodules: one
+    added to the input (as a vision transformer adds its position embedding) and one scaling
+    the logits. A traced segment holds each in a slot of its own, whichever stage it is in."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.position = nn.Parameter(0.1 * torch.randn(1, 1, 8, 8))
+        self.temperature = nn.Parameter(torch.ones(1))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return super().forward(x + self.position) * self.temperature
+
+
 def image_loader(samples: int = 64, batch_size: int = 8) -> DataLoader:
     """``samples`` random 1x8x8 images with 4 classes, fixed by seed 0."""
     generator = torch.Generator().manual_seed(0)

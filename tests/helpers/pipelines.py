@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 import pytorch_lightning as pl
@@ -12,12 +13,18 @@ from helpers.trainers import QUIET
 
 
 def fit_then_validate(
-    rank: int, world: int, name: str, accelerator: str, traced: bool = False
+    rank: int,
+    world: int,
+    name: str,
+    accelerator: str,
+    traced: bool = False,
+    net: type[ConvBatchNormNet] | None = None,
+    between: Callable[[pl.LightningModule], None] | None = None,
 ) -> list[dict[str, float]]:
     """``fit`` then ``validate`` with the same Trainer, one process per "host" (as the bench
     runs them): ``name`` is ``gropipe`` or ``spectrain``, two stages; gloo (two ranks may share
-    one GPU); ``traced``: a model the pipeline must trace. Returns what ``validate`` returned
-    on this rank."""
+    one GPU); ``traced``: a model the pipeline must trace (``net``: another such class);
+    ``between(model)`` runs after ``fit``. Returns what ``validate`` returned on this rank."""
     from lightning_parallel.strategies.gropipe import GroPipeStrategy
     from lightning_parallel.strategies.spectrain import SpecTrainStrategy
 
@@ -37,7 +44,9 @@ def fit_then_validate(
         num_sanity_val_steps=0,
         **QUIET,
     )
-    net = TracedConvBatchNormNet if traced else ConvBatchNormNet
+    net = net or (TracedConvBatchNormNet if traced else ConvBatchNormNet)
     model = net(channels=8, hidden=64, device_type=accelerator, metric=True)
     trainer.fit(model, image_loader(128, 16))
+    if between is not None:
+        between(model)
     return trainer.validate(model, image_loader(64, 16), verbose=False)

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torchmetrics
 from helpers.distributed import run_distributed
+from helpers.models import image_loader
 from helpers.pipelines import fit_then_validate
 from helpers.spies import recording
 from torch import nn
@@ -71,6 +72,37 @@ def test_validate_after_fit_in_the_same_processes(name: str, traced: bool) -> No
     for rank, result in enumerate(results):
         assert len(result["metric_moves"]) >= (1 if rank == 0 else 3)
         assert all(count >= 1 for count in result["metric_moves"])
+
+
+def _validate_own_parameter(rank: int, world: int, name: str) -> tuple[float | None, float]:
+    from helpers.models import PositionEmbeddedNet
+
+    expected: list[float] = []
+
+    def whole_model_loss(model: nn.Module) -> None:  # rank 0 holds every stage after fit
+        if rank == 0:
+            x, y = next(iter(image_loader(64, 64)))
+            with torch.no_grad():
+                model.eval()
+                expected.append(float(torch.nn.functional.cross_entropy(model(x), y)))
+
+    validated = fit_then_validate(rank, world, name, "cpu", net=PositionEmbeddedNet,
+                                  between=whole_model_loss)  # fmt: skip
+    return (expected[0] if expected else None), validated[0]["val_loss"]
+
+
+@pytest.mark.parametrize("name", ["gropipe", "spectrain"])
+def test_validate_after_fit_with_a_parameter_on_the_split_module(name: str) -> None:
+    """A traced segment holds such a parameter (a ViT's position embedding) in a slot of its
+    own; rank 0's end-of-fit gather gives the model new tensors (``assign=True``), and the
+    next run's stages must take them, not the first run's (``KeyError`` in
+    ``take_ownership`` before the fix: timm's ViT under the bench)."""
+    (expected, first), (_, second) = run_distributed(
+        _validate_own_parameter, 2, name, init_group=False, timeout=120
+    )
+    assert expected is not None
+    # validation runs the trained weights: the whole model's loss on the same 64 samples
+    assert [first, second] == pytest.approx([expected, expected], rel=1e-4)
 
 
 def test_move_real_moves_real_metrics_and_leaves_meta_ones() -> None:
