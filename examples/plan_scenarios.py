@@ -13,6 +13,10 @@ communication follows the collective laws of :mod:`lightning_parallel.plan.netwo
 
 It prints one markdown table per scenario (the rows of ``docs/scale.md``) and, with ``--plot``,
 predicted samples per second against workers (2 to 1024 hosts) for ResNet-50 at 10 Gbit/s.
+
+A profile taken on a GPU (``plan --accelerator cuda --profile-json``: its notes say
+``"accelerator": "cuda"``) is used as it is: its compute and trainer time were measured there,
+and ``--tflops``, ``--utilization`` and ``--overhead-ms`` do not apply to it.
 """
 
 from __future__ import annotations
@@ -81,15 +85,19 @@ def main() -> None:
     for title, model, cluster_args, specs, straggler in SCENARIOS:
         if model not in profiles:
             record = json.loads((args.profiles / f"{model}.json").read_text())
-            profiles[model] = StepProfile.from_dict(record).on_accelerator(
-                rate, overhead_s=args.overhead_ms / 1e3
-            )
+            profile = StepProfile.from_dict(record)
+            if profile.notes.get("accelerator") != "cuda":
+                profile = profile.on_accelerator(rate, overhead_s=args.overhead_ms / 1e3)
+            profiles[model] = profile
         cluster = Cluster.parse(**cluster_args)
         strategies = [(text, *strategy_options(text)) for text in specs]
-        print(
-            f"\n**{title}** (prediction; {args.tflops:g} TFLOP/s at {args.utilization:.0%}, "
-            f"{args.overhead_ms:g} ms of trainer time a step)\n"
+        basis = (
+            "compute and trainer time as profiled on the GPU"
+            if profiles[model].notes.get("accelerator") == "cuda"
+            else f"{args.tflops:g} TFLOP/s at {args.utilization:.0%}, "
+            f"{args.overhead_ms:g} ms of trainer time a step"
         )
+        print(f"\n**{title}** (prediction; {basis})\n")
         print("| spec | step ms | exposed comm ms | MB/step/host | samples/s (cluster) |")
         print("| --- | --- | --- | --- | --- |")
         for prediction in predict(profiles[model], cluster, strategies, straggler=straggler):

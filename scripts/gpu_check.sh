@@ -5,6 +5,7 @@
 #   bash scripts/gpu_check.sh tests    # pytest -m gpu: every strategy family and codec on CUDA
 #   bash scripts/gpu_check.sh codecs   # encode + decode per 10M floats, CPU against CUDA
 #   bash scripts/gpu_check.sh bench    # step time, samples/s: 6 strategies (hylo twice), CUDA
+#   bash scripts/gpu_check.sh calibrate # the plan's compute measured on the GPU, against bench
 #   bash scripts/gpu_check.sh tests codecs   # several, in turn
 #
 # On a machine lent for 10 minutes a command, run them as four commands:
@@ -29,6 +30,13 @@
 # compute and each strategy's own overheads); BENCH_NETWORK=netns puts them behind shaped links
 # instead (root, ip and tc needed). BENCH_STEPS and BENCH_MODELS override the steps per run
 # (default 200) and the models (default vgg_mini); BENCH_PLOT=1 also draws PNGs.
+# `calibrate`: `plan --accelerator cuda` (the profile taken on the GPU) for each of
+# CALIBRATE_MODELS (default: vgg_mini resnet18 gpt resnet50) at each of CALIBRATE_BATCHES
+# (default: 32 256), and a table of the forward, backward and the rate of the counted operations
+# reached (what `plan --accelerator-tflops --utilization` assumes); then `bench --predict` of
+# CALIBRATE_SPECS (default: ddp model_averaging hylo gropipe:stages=2) on two ranks sharing the
+# GPU over gloo, on CALIBRATE_PAIR (default resnet18), CALIBRATE_STEPS steps a run (default
+# 150). The plans go to $OUT/calibrate/ (`archive` packs them).
 # ACCELERATOR=cpu (bench on the CPU) and CODEC_DEVICES=cpu rehearse the script without a GPU.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -93,9 +101,30 @@ run_bench() {
   done
 }
 
+run_calibrate() {
+  local model batch spec specs=()
+  mkdir -p "$OUT/calibrate"
+  for model in ${CALIBRATE_MODELS:-vgg_mini resnet18 gpt resnet50}; do
+    for batch in ${CALIBRATE_BATCHES:-32 256}; do
+      "$PYTHON" -m lightning_parallel.bench.plan --accelerator "${ACCELERATOR:-cuda}" \
+        --model "$model" --batch-size "$batch" -s ddp --hosts 8 --bandwidth 100gbit \
+        --latency 10us --scale 8 --json "$OUT/calibrate/plan_${model}_$batch.json" \
+        > "$OUT/calibrate/plan_${model}_$batch.txt" 2>&1 \
+        || { status=1; tail -5 "$OUT/calibrate/plan_${model}_$batch.txt"; }
+    done
+  done
+  "$PYTHON" scripts/compute_rates.py "$OUT"/calibrate/plan_*.json | tee "$OUT/calibrate/rates.txt"
+  for spec in ${CALIBRATE_SPECS:-ddp model_averaging hylo gropipe:stages=2}; do specs+=(-s "$spec"); done
+  model=${CALIBRATE_PAIR:-resnet18}
+  "$PYTHON" -m lightning_parallel.cli bench --predict --accelerator "${ACCELERATOR:-cuda}" \
+    --network local --hosts 2 "${specs[@]}" --model "$model" --max-steps "${CALIBRATE_STEPS:-150}" \
+    --timeout "${BENCH_RUN_TIMEOUT:-300}" --json "$OUT/calibrate_pair_$model.json" \
+    --log-dir /tmp/lp-gpu-bench-calibrate-pair 2>&1 | tee "$OUT/calibrate/pair_$model.txt" || status=1
+}
+
 archive() {  # the text logs and the bench's worker logs into one file; JSON and the test log stay
   tar -czf /tmp/lp-gpu-logs.tar.gz "$OUT" /tmp/lp-gpu-bench-* 2>/dev/null
-  rm -f "$OUT"/*.txt
+  rm -rf "$OUT"/*.txt "$OUT/calibrate"
   mv /tmp/lp-gpu-logs.tar.gz "$OUT/logs.tar.gz"
   ls -l "$OUT"
 }
@@ -103,8 +132,8 @@ archive() {  # the text logs and the bench's worker logs into one file; JSON and
 [ $# -gt 0 ] || set -- all
 for what in "$@"; do
   case "$what" in
-    tests | codecs | bench | all | archive) ;;
-    *) echo "usage: $0 [tests|codecs|bench|all ...]" >&2; exit 2 ;;
+    tests | codecs | bench | calibrate | all | archive) ;;
+    *) echo "usage: $0 [tests|codecs|bench|calibrate|all|archive ...]" >&2; exit 2 ;;
   esac
 done
 environment
@@ -113,6 +142,7 @@ for what in "$@"; do
     tests) run_tests ;;
     codecs) run_codecs ;;
     bench) run_bench ;;
+    calibrate) run_calibrate ;;
     all) run_tests; run_codecs; run_bench ;;
     archive) archive ;;
   esac

@@ -74,6 +74,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--threads", type=int, default=1, help="torch threads while profiling")
     parser.add_argument(
+        "--accelerator",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where the profile runs: cpu, or cuda (this process's GPU: the compute measured "
+        "there, not projected from a rate as --accelerator-tflops does)",
+    )
+    parser.add_argument(
         "--accelerator-tflops",
         type=float,
         default=None,
@@ -145,6 +152,7 @@ def take_profile(
     profile = profile_module(
         model, datamodule, micro_batches=_micro_batch_counts(strategies),
         steps=args.profile_steps, threads=args.threads, seed=args.seed,
+        accelerator=args.accelerator,
     )  # fmt: skip
     return replace(profile, notes={**profile.notes, "model": args.model, "data": data_text})
 
@@ -157,10 +165,12 @@ def plan(
     *,
     steps: int = 8,
     threads: int = 1,
+    accelerator: str = "cpu",
 ) -> list[Any]:
     """Predict each strategy of ``specs`` (default: one of each family) for ``model`` trained on
     ``datamodule`` on ``cluster`` (a :class:`~lightning_parallel.plan.network.Cluster`), fastest
-    first: a list of :class:`~lightning_parallel.plan.prediction.Prediction`.
+    first: a list of :class:`~lightning_parallel.plan.prediction.Prediction`. The profile runs
+    on ``accelerator`` ("cpu", or "cuda": this process's GPU).
 
     Example::
 
@@ -178,7 +188,7 @@ def plan(
     strategies = [(text, *strategy_options(text)) for text in texts]
     profile = profile_module(
         model, datamodule, micro_batches=_micro_batch_counts(strategies), steps=steps,
-        threads=threads,
+        threads=threads, accelerator=accelerator,
     )  # fmt: skip
     return ranked(predict(profile, cluster, strategies))
 
@@ -271,11 +281,16 @@ def run_plan(args: argparse.Namespace) -> dict[str, Any]:
         },
         "model": args.model,
         "batch_size": args.batch_size,
-        "compute": "measured on this machine"
+        "compute": f"measured on this machine's {profile.notes.get('accelerator', 'cpu')}"
         if args.accelerator_tflops is None
         else f"predicted: {args.accelerator_tflops:g} TFLOP/s at {args.utilization:.0%}",
         "profile": {
             "forward_s": profile.forward_s, "backward_s": profile.backward_s,
+            "flops": profile.flops,
+            # the counted operations' rate the forward and backward reached: against a
+            # device's peak, the utilization that --accelerator-tflops would need
+            "counted_tflops_per_s": profile.flops
+            / max(1e-12, profile.forward_s + profile.backward_s) / 1e12,
             "optimizer_s": profile.optimizer_s, "trainer_step_s": profile.trainer_step_s,
             "parameter_bytes": profile.parameter_bytes,
             "peak_rss_mb": None

@@ -84,17 +84,25 @@ def profile_module(
     steps: int = 8,
     threads: int = 1,
     seed: int = 0,
+    accelerator: str = "cpu",
 ) -> Any:
     """Profile a ``LightningModule`` (either namespace) on its data module's first batch, in
     this process (see the module docstring); ``micro_batches`` are the splits of the batch to
-    take layer profiles at (1: the whole batch). Returns a
-    :class:`~lightning_parallel.plan.profile.StepProfile`."""
+    take layer profiles at (1: the whole batch). ``accelerator="cuda"``: the fit, the step, the
+    layers, the codecs and the hook all run on this process's GPU (every clock reading waits
+    for the GPU's queued work), and the profile's notes say so (``"accelerator": "cuda"``).
+    Returns a :class:`~lightning_parallel.plan.profile.StepProfile`."""
     import torch
 
     from lightning_parallel.compat.namespaces import PYTORCH_LIGHTNING, of_object
     from lightning_parallel.plan.codecs import codec_timings
     from lightning_parallel.plan.measure import pipeline_layers, profile_step
 
+    if accelerator not in ("cpu", "cuda"):
+        raise ValueError(f"accelerator must be 'cpu' or 'cuda', got {accelerator!r}")
+    if accelerator == "cuda" and not torch.cuda.is_available():
+        raise ValueError("accelerator='cuda': this machine has no CUDA device; use 'cpu'")
+    device = torch.device("cuda", torch.cuda.current_device()) if accelerator == "cuda" else None
     lightning = (of_object(model) or PYTORCH_LIGHTNING).module()
     threads_before = torch.get_num_threads()
     base = _rss_bytes()
@@ -106,7 +114,7 @@ def profile_module(
         torch.set_num_threads(threads)
         lightning.seed_everything(seed, workers=True, verbose=False)
         trainer = lightning.Trainer(
-            accelerator="cpu", devices=1,
+            accelerator=accelerator, devices=1,
             strategy=lightning.strategies.DDPStrategy(process_group_backend="gloo"),
             max_steps=steps, limit_val_batches=0, logger=False, enable_checkpointing=False,
             enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
@@ -114,12 +122,14 @@ def profile_module(
         )  # fmt: skip
         trainer.fit(model, datamodule=datamodule)
         torch.set_num_threads(threads)
-        hooks = _hook_timings(model, datamodule)
+        if device is not None:  # Lightning's teardown left the model on the CPU
+            model.to(device)
+        hooks = _hook_timings(model, datamodule, device)
     warmup = min(2, max(0, len(probe.step_seconds) - 1))
     steady = sorted(probe.step_seconds[warmup:])
     trainer_step = steady[len(steady) // 2] if steady else None
     loader = datamodule.train_dataloader()
-    batch = next(iter(loader))
+    batch = _on(device, next(iter(loader)))
     samples = len(loader.dataset) if hasattr(loader, "dataset") else None
     # the trained model profiles as the untrained one would: the same work per step
     optimizer = _first_optimizer(model.configure_optimizers())
@@ -127,7 +137,7 @@ def profile_module(
     # the chain's layers at every micro-batch size asked for (the whole batch too: DDP's
     # gradients become ready layer by layer)
     layers, error = pipeline_layers(model, batch, sorted({1, *micro_batches}), repeats=2)
-    codecs = codec_timings(profile.parameters)
+    codecs = codec_timings(profile.parameters, device=device)
     torch.set_num_threads(threads_before)
     return replace(
         profile,
@@ -143,18 +153,28 @@ def profile_module(
             "profile_steps": steps,
             "train_samples": samples,
             "drop_last": bool(getattr(loader, "drop_last", False)),
+            "accelerator": accelerator,
         },
     )
 
 
-def _hook_timings(model: Any, datamodule: Any) -> dict[str, float]:
+def _on(device: Any, batch: Any) -> Any:
+    """``batch`` with its tensors on ``device`` (``None``: as it is)."""
+    if device is None:
+        return batch
+    from torch.utils._pytree import tree_map
+
+    return tree_map(lambda value: value.to(device) if hasattr(value, "to") else value, batch)
+
+
+def _hook_timings(model: Any, datamodule: Any, device: Any = None) -> dict[str, float]:
     """What ``ddp_powersgd``'s hook (at its defaults, as the strategy registers it) adds to a
     step, keyed ``"ddp_powersgd@RANK"``; empty where it could not be measured."""
     from lightning_parallel.plan.codecs import comm_hook_seconds
     from lightning_parallel.strategies.ddp_hooks import PowerSGDDDPStrategy
 
     strategy = PowerSGDDDPStrategy()
-    batch = next(iter(datamodule.train_dataloader()))
+    batch = _on(device, next(iter(datamodule.train_dataloader())))
     seconds = comm_hook_seconds(
         model, batch, strategy.make_comm_hook(), strategy.make_comm_state(),
         warmup=strategy.start_powerSGD_iter + 1,

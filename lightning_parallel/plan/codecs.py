@@ -44,14 +44,16 @@ from lightning_parallel.plan.profile import BLOCKED, PLAIN, ParameterShape, code
 __all__: list[str] = []
 
 
-def low_rank_seconds(shape: Sequence[int], rank: int, repeats: int = 3) -> float:
+def low_rank_seconds(
+    shape: Sequence[int], rank: int, repeats: int = 3, device: torch.device | None = None
+) -> float:
     """One low-rank round trip of a gradient of ``shape`` at ``rank`` in the plain order of
     the products (torch's PowerSGD): ``M = g + e``, ``P = M Q``, orthonormalize ``P``,
     ``Q = M^T P``, ``P Q^T`` and the residual ``M - P Q^T``."""
     rows, cols = matrix_shape(tuple(shape))
     r = max(1, min(rank, rows, cols))
-    grad, error = torch.randn(rows, cols), torch.zeros(rows, cols)
-    q = torch.randn(cols, r)
+    grad, error = torch.randn(rows, cols, device=device), torch.zeros(rows, cols, device=device)
+    q = torch.randn(cols, r, device=device)
     samples = []
     for index in range(repeats + 1):
         start = clock()
@@ -64,22 +66,24 @@ def low_rank_seconds(shape: Sequence[int], rank: int, repeats: int = 3) -> float
     return float(statistics.median(samples))
 
 
-def blocked_low_rank_seconds(shape: Sequence[int], rank: int, repeats: int = 3) -> float:
+def blocked_low_rank_seconds(
+    shape: Sequence[int], rank: int, repeats: int = 3, device: torch.device | None = None
+) -> float:
     """One low-rank round trip in Hylo's order (see the module docstring): the residual
     storage is compensated and projected block of rows by block of rows, ``Q = (P^T M)^T``,
     and the estimate and residual written back per block."""
     rows, cols = matrix_shape(tuple(shape))
     r = max(1, min(rank, rows, cols))
-    gradient = torch.randn(rows, cols)
-    residual = torch.zeros(rows, cols)
-    estimate = torch.empty(rows, cols)
-    q = torch.randn(cols, r)
+    gradient = torch.randn(rows, cols, device=device)
+    residual = torch.zeros(rows, cols, device=device)
+    estimate = torch.empty(rows, cols, device=device)
+    q = torch.randn(cols, r, device=device)
     blocks = row_blocks(rows, cols, gradient.element_size(), gradient.device)
     samples = []
     for index in range(repeats + 1):
         start = clock()
         q_t = q.t().contiguous()
-        p_t = torch.empty(r, rows)
+        p_t = torch.empty(r, rows, device=device)
         for block in blocks:
             part = residual[block]
             part.add_(gradient[block])
@@ -96,11 +100,13 @@ def blocked_low_rank_seconds(shape: Sequence[int], rank: int, repeats: int = 3) 
 
 
 def codec_timings(
-    parameters: Sequence[ParameterShape], ranks: Sequence[int] = (2, 8)
+    parameters: Sequence[ParameterShape],
+    ranks: Sequence[int] = (2, 8),
+    device: torch.device | None = None,
 ) -> dict[str, float]:
     """Every distinct matrix shape among ``parameters`` (two or more dimensions) at each of
     ``ranks`` (PowerSGD's default 2, Hylo's 8), in both orders (keys:
-    :func:`~lightning_parallel.plan.profile.codec_key`)."""
+    :func:`~lightning_parallel.plan.profile.codec_key`), on ``device`` (default: the CPU)."""
     timers = {PLAIN: low_rank_seconds, BLOCKED: blocked_low_rank_seconds}
     timings: dict[str, float] = {}
     for parameter in parameters:
@@ -110,7 +116,7 @@ def codec_timings(
             for order, timer in timers.items():
                 key = codec_key(parameter.shape, rank, order)
                 if key not in timings:
-                    timings[key] = timer(parameter.shape, rank)
+                    timings[key] = timer(parameter.shape, rank, device=device)
     return timings
 
 

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from lightning_parallel.compression.low_rank import matrix_shape
 from lightning_parallel.pipeline.profile import LayerCost, ModelProfile
 
 __all__: list[str] = []
@@ -217,9 +218,6 @@ class StepProfile:
 def codec_key(shape: Sequence[int], rank: int, order: str = PLAIN) -> str:
     """The key of a low-rank timing: the matrix's ``rows x cols``, the rank, the order of the
     products (the plain order unmarked)."""
-    rows = int(shape[0])
-    cols = 1
-    for size in shape[1:]:
-        cols *= int(size)
+    rows, cols = matrix_shape(tuple(int(size) for size in shape))
     key = f"{rows}x{cols}@{min(rank, rows, cols)}"
     return key if order == PLAIN else f"{order}:{key}"

@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from lightning_parallel.bench import predicted
@@ -73,12 +74,25 @@ def test_bench_predict_passes_the_bench_settings_and_counts_its_run_length():
                         ("--batch-size", "16"), ("--seed", "7"), ("--bandwidth", "100mbit")]:  # fmt: skip
         assert argv[argv.index(flag) + 1] == value
     assert argv.count("-s") == 2
+    assert argv[argv.index("--accelerator") + 1] == "cpu"  # the profile runs where the bench does
+    on_gpu = predicted.plan_argv([], BenchConfig(accelerator="cuda"), Path("o"))
+    assert on_gpu[on_gpu.index("--accelerator") + 1] == "cuda"
     # 1000 samples on 4 ranks, batches of 16 dropping the last: 15 steps an epoch, 3 epochs
     profile = {"notes": {"train_samples": 1000, "drop_last": True}}
     assert predicted.run_steps(profile, config) == 45
     local = BenchConfig(network="local")
     assert predicted.plan_argv([], local, Path("o"))[-4:] != []
     assert predicted.LOOPBACK[0] in predicted.plan_argv([], local, Path("o"))
+
+
+def test_the_profile_names_the_fix_for_an_accelerator_it_cannot_use():
+    from lightning_parallel.bench.plan_profile import profile_module
+
+    with pytest.raises(ValueError, match="'cpu' or 'cuda'"):
+        profile_module(object(), object(), accelerator="tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="no CUDA device; use 'cpu'"):
+            profile_module(object(), object(), accelerator="cuda")
 
 
 def test_the_comparison_prints_predicted_beside_measured():
