@@ -71,12 +71,17 @@ def ready_times(profile: StepProfile) -> list[Ready]:
         return [Ready(profile.backward_s, total)]
     measured = sum(cost.backward_seconds for cost in layers.layers)
     scale = profile.backward_s / measured if measured > 0 else 0.0
-    chained = sum(cost.parameter_bytes for cost in layers.layers)
-    ready = [Ready(0.0, max(0.0, total - chained))]
+    own = [float(cost.parameter_bytes) for cost in layers.layers]
+    # a tied tensor is in the bytes of every layer using it, but is one gradient, complete
+    # when backward has passed its first use: the other layers' counts lose it
+    for nbytes, where in layers.tied:
+        for index in sorted(where)[1:]:
+            own[index] = max(0.0, own[index] - nbytes)
+    ready = [Ready(0.0, max(0.0, total - sum(own)))]
     elapsed = 0.0
-    for cost in reversed(layers.layers):
+    for cost, nbytes in zip(reversed(layers.layers), reversed(own)):
         elapsed += cost.backward_seconds * scale
-        ready.append(Ready(elapsed, float(cost.parameter_bytes)))
+        ready.append(Ready(elapsed, nbytes))
     return ready
 
 

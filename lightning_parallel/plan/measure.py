@@ -188,10 +188,24 @@ def pipeline_layers(
                 layers, _, example = split_layers(target.module, inputs, call)
                 profile = profile_layers(layers, example, repeats=repeats, micro_batches=count)
                 costs = _to_chain_time(profile.layers, chain_seconds(layers, example, count))
-                profiles.append(LayerProfile(_batch_size(micro), costs, profile.input_bytes))
+                profiles.append(
+                    LayerProfile(
+                        _batch_size(micro), costs, profile.input_bytes, tied_layers(layers)
+                    )
+                )
     except (PipelineSplitError, ValueError, RuntimeError) as error:
         return (), f"{type(error).__name__}: {error}"
     return tuple(profiles), None
+
+
+def tied_layers(layers: Sequence[nn.Module]) -> tuple[tuple[int, tuple[int, ...]], ...]:
+    """Each tensor that several of ``layers`` use: its bytes and those layers' indices."""
+    from lightning_parallel.pipeline.ownership import stage_tensors
+    from lightning_parallel.pipeline.tied import tied_stages
+
+    per_layer = [stage_tensors(layer) for layer in layers]
+    size = {id(t): t.numel() * t.element_size() for tensors in per_layer for t in tensors}
+    return tuple((size[key], tuple(where)) for key, where in tied_stages(per_layer).items())
 
 
 def chain_seconds(layers: Sequence[nn.Module], example: Any, micro_batches: int) -> float:

@@ -53,6 +53,10 @@ class LayerProfile:
     micro_batch: int
     layers: tuple[LayerCost, ...]
     input_bytes: int
+    #: tensors that several layers use (tied weights: a language model's head that reuses the
+    #: embedding): ``(bytes, the indices of the layers using it)`` each. Every such layer's
+    #: ``parameter_bytes`` counts the tensor; a pipeline keeps a copy on every stage using it.
+    tied: tuple[tuple[int, tuple[int, ...]], ...] = ()
 
     def model_profile(self) -> ModelProfile:
         """The profile as the partitioner takes it."""
@@ -192,7 +196,7 @@ class StepProfile:
             )
             for cost in nearest.layers
         )
-        return LayerProfile(micro_batch, layers, int(nearest.input_bytes * scale))
+        return LayerProfile(micro_batch, layers, int(nearest.input_bytes * scale), nearest.tied)
 
     def as_dict(self) -> dict[str, Any]:
         """A JSON-ready record."""
@@ -208,7 +212,10 @@ class StepProfile:
         )
         values["layer_profiles"] = tuple(
             LayerProfile(
-                p["micro_batch"], tuple(LayerCost(**cost) for cost in p["layers"]), p["input_bytes"]
+                p["micro_batch"],
+                tuple(LayerCost(**cost) for cost in p["layers"]),
+                p["input_bytes"],
+                tuple((int(nbytes), tuple(where)) for nbytes, where in p.get("tied", ())),
             )
             for p in values.get("layer_profiles", ())
         )

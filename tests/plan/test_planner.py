@@ -188,3 +188,47 @@ def test_a_straggler_paces_synchronous_steps_but_only_itself_on_the_parameter_se
     # the others keep their pace: the median step is unchanged, throughput barely drops
     assert ps.step_s == pytest.approx(even["parameter_server"].step_s, rel=0.05)
     assert ps.samples_per_s > 0.8 * even["parameter_server"].samples_per_s
+
+
+def _tied(profile: StepProfile) -> StepProfile:
+    """``profile`` with its first and last layers sharing one 1 MB tensor (an embedding and the
+    head that reuses it): 3 MB of parameters, each layer's bytes still counting it."""
+    from dataclasses import replace
+
+    layers = tuple(replace(p, tied=((MB, (0, 3)),)) for p in profile.layer_profiles)
+    return replace(profile, parameters=profile.parameters[:3], layer_profiles=layers)
+
+
+def test_ddp_counts_a_tied_tensor_once() -> None:
+    from lightning_parallel.plan.data_parallel import ready_times
+
+    profile = _tied(_profile())
+    ready = ready_times(profile)
+    assert sum(r.nbytes for r in ready) == pytest.approx(3 * MB)
+    # ready once backward has passed its first use: the first layer, the last backward reaches
+    assert [r.nbytes for r in ready] == [0.0, 0.0, MB, MB, MB]
+    cluster = _cluster()
+    assert _one("ddp", profile, cluster).wire_bytes_per_step == pytest.approx(
+        all_reduce(cluster, 3 * MB).wire_bytes, rel=1e-3
+    )
+
+
+def test_the_pipelines_exchange_a_tied_tensor_between_its_stages() -> None:
+    """GroPipe sums the copies' gradients once a step (blocking); SpecTrain sums them and
+    broadcasts the owner's value at every update (asynchronous): on 2 hosts, the hosts' mean
+    is the tensor's bytes, and one and a half times them."""
+    from lightning_parallel.plan.network import broadcast
+
+    plain, tied, cluster = _profile(), _tied(_profile()), _cluster()
+    pair = Cluster.parse(hosts=2, processes_per_host=1, bandwidth="100mbit", latency="1ms")
+    reduce, cast = all_reduce(pair, MB), broadcast(pair, MB)
+    gropipe = [_one("gropipe", p, cluster, stages=2, micro_batches=4) for p in (plain, tied)]
+    assert gropipe[1].wire_bytes_per_step - gropipe[0].wire_bytes_per_step == pytest.approx(
+        reduce.wire_bytes
+    )
+    assert gropipe[1].step_s - gropipe[0].step_s == pytest.approx(reduce.seconds)
+    spectrain = [_one("spectrain", p, cluster, stages=2) for p in (plain, tied)]
+    assert spectrain[1].wire_bytes_per_step - spectrain[0].wire_bytes_per_step == pytest.approx(
+        reduce.wire_bytes + cast.wire_bytes / 2
+    )
+    assert spectrain[1].step_s == pytest.approx(spectrain[0].step_s)  # nothing waits for it

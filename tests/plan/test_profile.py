@@ -96,3 +96,17 @@ def test_low_rank_work_grows_with_the_matrix() -> None:
     small = low_rank_seconds((64, 64), 2, repeats=3)
     large = low_rank_seconds((1024, 1024), 2, repeats=3)
     assert 0 < small < large
+
+
+def test_the_layer_profile_names_the_layers_sharing_a_tensor() -> None:
+    """A language model's head reusing its embedding: both layers count the matrix, and the
+    profile says they share it (the plans count it once for DDP, once a stage for a pipeline)."""
+    from torch import nn
+
+    from lightning_parallel.plan.measure import tied_layers
+
+    embedding, head = nn.Embedding(16, 8), nn.Linear(8, 16, bias=False)
+    head.weight = embedding.weight
+    layers = [embedding, nn.Linear(8, 8), head]
+    assert tied_layers(layers) == ((16 * 8 * 4, (0, 2)),)
+    assert tied_layers(layers[:2]) == ()
