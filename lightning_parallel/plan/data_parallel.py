@@ -74,9 +74,9 @@ def ready_times(profile: StepProfile) -> list[Ready]:
     own = [float(cost.parameter_bytes) for cost in layers.layers]
     # a tied tensor is in the bytes of every layer using it, but is one gradient, complete
     # when backward has passed its first use: the other layers' counts lose it
-    for nbytes, where in layers.tied:
+    for tied_bytes, where in layers.tied:
         for index in sorted(where)[1:]:
-            own[index] = max(0.0, own[index] - nbytes)
+            own[index] = max(0.0, own[index] - tied_bytes)
     ready = [Ready(0.0, max(0.0, total - sum(own)))]
     elapsed = 0.0
     for cost, nbytes in zip(reversed(layers.layers), reversed(own)):
