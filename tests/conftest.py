@@ -40,8 +40,8 @@ def _environment() -> Iterator[None]:
 def _ports(monkeypatch: pytest.MonkeyPatch) -> None:
     """Lightning's launchers pick ``MASTER_PORT`` by binding port 0, which races with the other
     pytest-xdist workers' ports: in tests they take this worker's next port instead
-    (:func:`helpers.distributed.free_port`)."""
-    from helpers.distributed import free_port
+    (:func:`helpers.ports.free_port`)."""
+    from helpers.ports import free_port
 
     for name in (
         "lightning_fabric.plugins.environments.lightning",
