@@ -7,6 +7,7 @@ mean); :class:`ReplicaAveraging` runs the rounds over ``torch.distributed``.
 
 from lightning_parallel.averaging.averager import Averager
 from lightning_parallel.averaging.bmuf import BlockMomentumAverager
+from lightning_parallel.averaging.collapse import ReplicaCollapse
 from lightning_parallel.averaging.easgd import ElasticAverager
 from lightning_parallel.averaging.flat import FlatLayout
 from lightning_parallel.averaging.one_shot import OneShotAverager
@@ -38,6 +39,7 @@ __all__ = [
     "PeriodicAverager",
     "PlateauExit",
     "ReplicaAveraging",
+    "ReplicaCollapse",
     "build_reduction",
     "diloco_outer_optimizer",
     "lookahead_outer_optimizer",

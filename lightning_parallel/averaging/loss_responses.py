@@ -1,10 +1,14 @@
-"""What model averaging does about the training loss: a synchronous window, a roll-back.
+"""What model averaging does about the training loss: a synchronous window, a roll-back, a
+replacement.
 
 :class:`LossResponses` is the part of :class:`~lightning_parallel.averaging.ReplicaAveraging`
-that watches the replicas' mean training loss (one scalar all-reduced per local step) with the
-rules of :mod:`~lightning_parallel.averaging.plateau` and answers them: a window of synchronous
-steps where the loss leaves its initial plateau (:class:`PlateauExit`), and a roll-back of every
-replica to the last agreed point after a loss spike or regression (:class:`LossSpike`).
+that watches the replicas' training loss (one scalar all-reduced per local step, or one per
+replica when :class:`ReplicaCollapse` watches them) with the rules of
+:mod:`~lightning_parallel.averaging.plateau` and :mod:`~lightning_parallel.averaging.collapse`
+and answers them: a window of synchronous steps where the loss leaves its initial plateau
+(:class:`PlateauExit`), the replacement of a replica that fell back to the starting loss by the
+healthy replicas' mean (:class:`ReplicaCollapse`), and a roll-back of every replica to the last
+agreed point after a spike or regression of the mean loss (:class:`LossSpike`).
 """
 
 from __future__ import annotations
@@ -12,8 +16,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
+from lightning_parallel.averaging.collapse import ReplicaCollapse
+from lightning_parallel.averaging.flat import FlatLayout
 from lightning_parallel.averaging.plateau import LossSpike, PlateauExit
 from lightning_parallel.averaging.policies import optimizer_state_tensors, reset_optimizer_state
 from lightning_parallel.averaging.reduction import FlatAllReduce, counted
@@ -34,7 +41,11 @@ class LossResponses(ReplicaState):
     ledger: CommLedger
 
     def watch_loss(
-        self, plateau: PlateauExit | None, window_steps: int, spike: LossSpike | None
+        self,
+        plateau: PlateauExit | None,
+        window_steps: int,
+        spike: LossSpike | None,
+        collapse: ReplicaCollapse | None = None,
     ) -> None:
         """Set the rules (``None``: not watched) and the synchronous window's length."""
         if plateau is not None and (
@@ -49,6 +60,8 @@ class LossResponses(ReplicaState):
         self.spike = spike
         self._rollback_due = False
         self.rollbacks = 0
+        self.collapse = collapse
+        self._collapsed_due: list[int] = []
         # the last point every replica agreed on (unfragmented, exact rounds; streaming and
         # quantized rounds keep each fragment's in ``agreements``)
         self._safe_point: list[Tensor] | None = None
@@ -65,7 +78,10 @@ class LossResponses(ReplicaState):
     def _respond_to_loss(self) -> None:
         """At a step boundary: roll back after a spike, open the window after the plateau."""
         if self._rollback_due:
+            self._collapsed_due = []  # every replica goes back: none is replaced
             self._roll_back()
+        if self._collapsed_due:
+            self._replace_collapsed()
         if self._window_due:
             self._open_window()
 
@@ -82,7 +98,7 @@ class LossResponses(ReplicaState):
             return False
         watching_plateau = self.plateau is not None and not self.plateau.fired
         watching_spikes = self.spike is not None and self.averager.restarts_in_consensus
-        return watching_plateau or watching_spikes
+        return watching_plateau or watching_spikes or self.collapse is not None
 
     def observe_loss(self, loss: Tensor | float) -> None:
         """Feed the loss rules this step's loss, averaged over the ranks (collective: every
@@ -94,8 +110,11 @@ class LossResponses(ReplicaState):
             # a tree reduction's helper thread must not interleave; a flat one's rounds in
             # flight keep running behind this scalar (gloo matches collectives by order)
             self._wait_in_flight()
-        ranks = counted(self.reduction.all_reduce([value]), self.world_size)
-        mean = float(value.item()) / ranks
+        if self.collapse is None:
+            ranks = counted(self.reduction.all_reduce([value]), self.world_size)
+            mean = float(value.item()) / ranks
+        else:
+            mean = self._observe_replicas(value)
         if self.plateau is not None and self.plateau.observe(mean):
             self._window_due = True
             self.ledger.set_gauge("synchronous_window_at", self.schedule.optimizer_steps)
@@ -110,6 +129,50 @@ class LossResponses(ReplicaState):
             self.ledger.set_gauge("loss_regressions", self.spike.regressions)
         elif self._holding and self.spike is not None and not self.spike.unsettled:
             self._release_held_point()
+
+    def _observe_replicas(self, value: Tensor) -> float:
+        """All-reduce every replica's loss in its own slot (``2·W`` scalars: the losses, then
+        who took part), feed them to the collapse rule, and return their mean."""
+        world, rank = dist.get_world_size(), dist.get_rank()
+        slots = torch.zeros(2 * world, dtype=torch.float64, device=value.device)
+        slots[rank] = value[0]
+        slots[world + rank] = 1.0
+        self.reduction.all_reduce([slots]).wait()
+        present = slots[world:].tolist()
+        losses = [
+            float(loss) if taking_part > 0.5 else None
+            for loss, taking_part in zip(slots[:world].tolist(), present, strict=True)
+        ]
+        seen = [loss for loss in losses if loss is not None]
+        assert self.collapse is not None
+        collapsed = self.collapse.observe(losses)
+        if collapsed:
+            self._collapsed_due = collapsed
+        return sum(seen) / len(seen) if seen else float("nan")
+
+    def _replace_collapsed(self) -> None:
+        """The collapsed replicas take the healthy replicas' mean model and optimizer state (one
+        all-reduce of both, only the healthy ranks contributing); the schedule goes on."""
+        assert self.collapse is not None
+        collapsed, self._collapsed_due = self._collapsed_due, []
+        healthy = self.collapse.healthy()
+        if not healthy:
+            return
+        while self._rounds:  # a round in flight holds the collapsed replica's values
+            self._finish_round(self._rounds.pop(0))
+        tensors = self._model_tensors() + optimizer_state_tensors(self.optimizers)
+        layout = FlatLayout(tensors)
+        flat = layout.pack(tensors)
+        weight = 1.0 / len(healthy) if dist.get_rank() in healthy else 0.0
+        for buffer in flat:
+            buffer.mul_(weight)
+        self.reduction.all_reduce(flat).wait()
+        if dist.get_rank() in collapsed:
+            with torch.no_grad():
+                for tensor, mean in zip(tensors, layout.unpack(flat), strict=True):
+                    tensor.copy_(mean)
+        self.collapse.replaced(collapsed)
+        self.ledger.set_gauge("replicas_replaced", self.collapse.collapses)
 
     def _roll_back(self) -> None:
         """Every replica restarts from the last agreed point, optimizer state and averagers
@@ -190,6 +253,8 @@ class LossResponses(ReplicaState):
                 "rollback_due": self._rollback_due,
                 "rollbacks": self.rollbacks,
             }
+        if self.collapse is not None:
+            state["collapse"] = {**self.collapse.state_dict(), "due": list(self._collapsed_due)}
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -204,6 +269,10 @@ class LossResponses(ReplicaState):
             self.spike.load_state_dict(saved)
             self._rollback_due = bool(saved.get("rollback_due", False))
             self.rollbacks = int(saved.get("rollbacks", 0))
+        saved = state.get("collapse")
+        if self.collapse is not None and saved is not None:
+            self.collapse.load_state_dict(saved)
+            self._collapsed_due = [int(i) for i in saved.get("due", [])]
 
     def local_state_dict(self) -> dict[str, Any]:
         """:meth:`ReplicaState.local_state_dict` with the point a loss spike rolls back to."""

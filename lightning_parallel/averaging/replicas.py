@@ -13,6 +13,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_parallel.averaging.averager import Averager
+from lightning_parallel.averaging.collapse import ReplicaCollapse
 from lightning_parallel.averaging.flat import FlatLayout
 from lightning_parallel.averaging.fragments import (
     Fragment,
@@ -144,6 +145,12 @@ class ReplicaAveraging(LossResponses):
             is cleared and the averagers restart there (outer or block momentum from zero); the
             next round is ``period`` steps later. Algorithms whose replicas never agree
             (EASGD) ignore it.
+        collapse: the rule that says which replicas fell back to the starting loss while
+            another trains on (:class:`~lightning_parallel.averaging.collapse.ReplicaCollapse`;
+            ``None``: never). The caller passes every local step's loss to
+            :meth:`observe_loss` (then all-reduced as one slot per replica); at the next step
+            boundary the collapsed replicas take the healthy replicas' mean model and
+            optimizer state, the rounds in flight applied first; the schedule goes on.
     """
 
     def __init__(
@@ -166,6 +173,7 @@ class ReplicaAveraging(LossResponses):
         plateau: PlateauExit | None = None,
         window_steps: int = 0,
         spike: LossSpike | None = None,
+        collapse: ReplicaCollapse | None = None,
     ) -> None:
         buffers = check_choice("buffers", buffers, BUFFER_POLICIES)
         if fragments != 1 and schedule.period is None:
@@ -203,7 +211,7 @@ class ReplicaAveraging(LossResponses):
         # Set by a compressor (``HyloCompression``) to average the parameters' round deltas
         # itself; buffers and optimizer state still go through ``reduction``.
         self.parameter_mean: ParameterMean | None = None
-        self.watch_loss(plateau, window_steps, spike)
+        self.watch_loss(plateau, window_steps, spike, collapse)
 
     # ------------------------------------------------------------------ schedule
 

@@ -25,11 +25,13 @@ from lightning_parallel.averaging import (
     PeriodicAverager,
     ReplicaAveraging,
 )
+from lightning_parallel.averaging.collapse import ReplicaCollapse
 from lightning_parallel.averaging.outer_optimizer import (
     DILOCO_OUTER_LR,
     DILOCO_OUTER_MOMENTUM,
     OuterOptimizerFactory,
 )
+from lightning_parallel.averaging.plateau import LossSpike, PlateauExit
 from lightning_parallel.averaging.policies import check_choice
 from lightning_parallel.averaging.quantize import OUTER_DTYPES
 from lightning_parallel.averaging.rounds import check_alpha, check_sync_delay
@@ -97,9 +99,40 @@ def streaming_options(
     )
 
 
-def plateau_options(synchronous_window: object, plateau_drop: object) -> tuple[int, float]:
-    """The synchronous window's length (0: none, the former behaviour) and the plateau rule's
-    relative drop, typed and checked."""
+@dataclass(frozen=True)
+class LossRules:
+    """What the strategy does about the training loss, typed and checked (see
+    :class:`~lightning_parallel.strategies.model_averaging.ModelAveragingStrategy`'s
+    ``synchronous_window`` to ``replace_collapsed``)."""
+
+    synchronous_window: int
+    plateau_drop: float
+    rollback_on_spike: bool
+    spike_ratio: float
+    spike_regression: float | None
+    replace_collapsed: bool
+
+    def engine_arguments(self) -> dict[str, Any]:
+        """The rules as :class:`~lightning_parallel.averaging.ReplicaAveraging` takes them
+        (fresh objects: each run watches its own loss)."""
+        spike = LossSpike(self.spike_ratio, regression=self.spike_regression)
+        return {
+            "plateau": PlateauExit(self.plateau_drop) if self.synchronous_window else None,
+            "window_steps": self.synchronous_window,
+            "spike": spike if self.rollback_on_spike else None,
+            "collapse": ReplicaCollapse() if self.replace_collapsed else None,
+        }
+
+
+def loss_rules(
+    synchronous_window: object,
+    plateau_drop: object,
+    rollback_on_spike: object,
+    spike_ratio: object,
+    spike_regression: object,
+    replace_collapsed: object,
+) -> LossRules:
+    """The loss rules' options as the strategy's constructor received them, checked."""
     window = optional_int("synchronous_window", synchronous_window)
     window = 0 if window is None else window
     if window < 0:
@@ -113,11 +146,6 @@ def plateau_options(synchronous_window: object, plateau_drop: object) -> tuple[i
             f"plateau_drop must be in (0, 1) (the smoothed loss's relative fall that ends the "
             f"plateau), got {drop}"
         )
-    return window, drop
-
-
-def spike_options(spike_ratio: object, spike_regression: object) -> tuple[float, float | None]:
-    """The loss-spike rule's ratio and regression share, typed and checked."""
     ratio = optional_float("spike_ratio", spike_ratio)
     if ratio is None or not ratio > 1.0:
         raise ValueError(
@@ -130,7 +158,14 @@ def spike_options(spike_ratio: object, spike_regression: object) -> tuple[float,
             f"spike_regression must be in (0, 1] (a share of the way back to the starting "
             f"loss), got {regression}; None watches spikes only"
         )
-    return ratio, regression
+    return LossRules(
+        synchronous_window=window,
+        plateau_drop=drop,
+        rollback_on_spike=bool(optional_bool("rollback_on_spike", rollback_on_spike)),
+        spike_ratio=ratio,
+        spike_regression=regression,
+        replace_collapsed=bool(optional_bool("replace_collapsed", replace_collapsed)),
+    )
 
 
 def resume_mismatch(

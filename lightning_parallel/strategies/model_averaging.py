@@ -16,7 +16,8 @@ What it guarantees, where Lightning's ``model_averaging_period`` and torch's
    (gradients averaged before every optimizer step, exactly as DDP); otherwise no gradient is
    communicated (the model is never wrapped in ``DistributedDataParallel``); a local step whose
    mean loss spikes, or climbs back to where training started, rolls every replica back to
-   their last agreed point (``rollback_on_spike``);
+   their last agreed point (``rollback_on_spike``), and a replica whose own loss falls back
+   there while another trains on takes the healthy replicas' mean (``replace_collapsed``);
 3. validation runs on averaged models (a round runs first, or the mean of the replicas is
    swapped in and out, or each fragment's last agreed point: ``before_validation``), every
    checkpoint's ``state_dict`` is the mean of the replicas (the replicas are not touched:
@@ -87,7 +88,6 @@ from lightning_parallel.averaging.outer_optimizer import (
     DILOCO_OUTER_MOMENTUM,
     OuterOptimizerFactory,
 )
-from lightning_parallel.averaging.plateau import LossSpike, PlateauExit
 from lightning_parallel.averaging.policies import (
     BUFFER_POLICIES,
     OPTIMIZER_STATE_POLICIES,
@@ -110,8 +110,7 @@ from lightning_parallel.strategies.averaging_checkpoints import AveragingCheckpo
 from lightning_parallel.strategies.averaging_options import (
     VALIDATION_POLICIES,
     averager_factory,
-    plateau_options,
-    spike_options,
+    loss_rules,
     streaming_options,
 )
 from lightning_parallel.strategies.worker_loss import heartbeat_seconds, resolve_worker_loss
@@ -166,6 +165,14 @@ class ModelAveragingStrategy(AveragingCheckpoints):
             ``vgg_mini``, seed 3) can leave the average on a dead, constant-output model for
             the rest of the run. One scalar per step, no other communication, one copy of the
             model kept; EASGD (whose replicas never agree) ignores it.
+        replace_collapsed: a replica whose own smoothed loss falls back to where training
+            started (within 7.5%) for 3 local steps, after it had left it, while another
+            replica's is still 15% below, takes the healthy replicas' mean model and optimizer
+            state (:class:`~lightning_parallel.averaging.collapse.ReplicaCollapse`; default
+            ``True``). Costs one scalar a replica each local step and one model exchange a
+            replacement. Why: the mean loss hides one dead replica, and the next round averages
+            it with the healthy ones (``diloco`` on ``vgg_mini``, seed 4: both back at a loss
+            of 2.26, 25 steps lost).
         spike_ratio: the spike rule's ratio (default 2.0; larger: fewer roll-backs).
         spike_regression: the share of the way back to the starting loss that counts as a
             regression (default 1.0, back at the start; smaller: more roll-backs; ``None``:
@@ -257,6 +264,7 @@ class ModelAveragingStrategy(AveragingCheckpoints):
         synchronous_window: int = 0,
         plateau_drop: float = 0.05,
         rollback_on_spike: bool = True,
+        replace_collapsed: bool = True,
         spike_ratio: float = 2.0,
         spike_regression: float | None = 1.0,
         buffers: Literal["average", "local"] = "average",
@@ -313,11 +321,14 @@ class ModelAveragingStrategy(AveragingCheckpoints):
             )
         self.warmup_steps = optional_int("warmup_steps", warmup_steps) or 0
         AveragingSchedule(self.period, self.warmup_steps)  # validates both
-        self.synchronous_window, self.plateau_drop = plateau_options(
-            synchronous_window, plateau_drop
+        self.loss_rules = loss_rules(
+            synchronous_window,
+            plateau_drop,
+            rollback_on_spike,
+            spike_ratio,
+            spike_regression,
+            replace_collapsed,
         )
-        self.rollback_on_spike = bool(optional_bool("rollback_on_spike", rollback_on_spike))
-        self.spike_ratio, self.spike_regression = spike_options(spike_ratio, spike_regression)
         # Not ``self.reduce`` / ``self.optimizer_state``: those are Strategy methods.
         self.buffer_policy = check_choice("buffers", buffers, BUFFER_POLICIES)
         self.optimizer_state_policy = check_choice(
@@ -417,11 +428,7 @@ class ModelAveragingStrategy(AveragingCheckpoints):
             quantized=None if quantizer is None else QuantizedAllGather(quantizer, survivors),
             error_feedback=self.outer_error_feedback,
             keep_agreement=self.before_validation == "global",
-            plateau=None if not self.synchronous_window else PlateauExit(self.plateau_drop),
-            window_steps=self.synchronous_window,
-            spike=LossSpike(self.spike_ratio, regression=self.spike_regression)
-            if self.rollback_on_spike
-            else None,
+            **self.loss_rules.engine_arguments(),
         )
 
     @override

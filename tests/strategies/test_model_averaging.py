@@ -317,7 +317,7 @@ def test_the_plateau_window_runs_its_synchronous_steps_then_switches(tmp_path: P
 
 
 def test_a_loss_spike_rolls_back_and_the_old_settings_never_do(tmp_path: Path) -> None:
-    old = {"synchronous_window": 0, "rollback_on_spike": False}
+    old = {"synchronous_window": 0, "rollback_on_spike": False, "replace_collapsed": False}
     for name in ("new", "old", "plain-new", "plain-old"):
         (tmp_path / name).mkdir()
     for name, options in [("new", {}), ("old", old)]:
@@ -339,6 +339,27 @@ def test_a_loss_spike_rolls_back_and_the_old_settings_never_do(tmp_path: Path) -
         == (records(tmp_path / "plain-old")[0]["replica"])
     )
     assert records(tmp_path / "plain-new")[0]["rollbacks"] == 0
+
+
+class CollapsingRegression(Regression):
+    """:class:`Regression` whose reported loss (its gradient is the true one's) leaves 2.3 at
+    step 2 on every rank and is back at 2.3 from step 6 on rank 1 only."""
+
+    def training_step(self, batch: list[Tensor], batch_idx: int) -> Tensor | None:
+        loss = super().training_step(batch, batch_idx)
+        assert loss is not None
+        dead = self.global_step < 2 or (self.global_rank == 1 and self.global_step >= 6)
+        return loss - loss.detach() + (2.3 if dead else 1.0)
+
+
+@pytest.mark.parametrize("replace", [True, False])
+def test_a_collapsed_replica_is_replaced_under_lightning(tmp_path: Path, replace: bool) -> None:
+    # the default rule (smoothing 0.7, patience 3) sees rank 1 back at the start from step 12
+    options = {} if replace else {"replace_collapsed": False}
+    fit(CollapsingRegression(momentum=0.9), averaging(period=50, **options), tmp_path, max_epochs=4)
+    for record in records(tmp_path):
+        assert record["rollbacks"] == 0
+        assert record["gauges"].get("replicas_replaced") == (1 if replace else None)
 
 
 def test_checkpoint_holds_the_mean_and_loads_anywhere(tmp_path: Path) -> None:
@@ -495,6 +516,7 @@ def test_registered_names_and_bench_style_construction() -> None:
         ({"spike_ratio": 1.0}, "spike_ratio must be above 1"),
         ({"spike_regression": 0.0}, r"spike_regression must be in \(0, 1\]"),
         ({"rollback_on_spike": "yes"}, "rollback_on_spike"),
+        ({"replace_collapsed": "yes"}, "replace_collapsed"),
         ({"overlap": "maybe"}, "overlap must be true or false"),
         ({"period": 4, "fragments": 5}, "fragments must be between 1 and period"),
         ({"period": 4, "sync_delay": 5}, "must not exceed the period"),
