@@ -109,11 +109,16 @@ def predict_averaging(
     fragments = max(1, int(options.get("fragments") or 1))
     delay = int(options.get("sync_delay") or 0)
     dtype = str(options.get("outer_dtype") or "fp32")
-    loss_rules = bool(options.get("rollback_on_spike", True)) and algorithm != "easgd"
+    # the loss rules' all-reduce each local step: one slot and one presence flag per replica
+    # with the collapse rule (every algorithm), else the mean alone (EASGD: no rule then);
+    # the rare replacements and roll-backs are not predicted
+    per_replica = bool(options.get("replace_collapsed", True))
+    mean_only = bool(options.get("rollback_on_spike", True)) and algorithm != "easgd"
+    loss_bytes = 16.0 * cluster.world if per_replica else 8.0 if mean_only else 0.0
     traffic = Traffic()
     local = profile.step_s
-    if loss_rules:
-        loss = all_reduce(cluster, 8.0, element_bytes=8)
+    if loss_bytes:
+        loss = all_reduce(cluster, loss_bytes, element_bytes=8)
         traffic.add(loss)
         local += loss.seconds
     transfer = round_transfer(cluster, profile.parameter_bytes / fragments, dtype)

@@ -48,7 +48,7 @@ What it guarantees, where Lightning's ``model_averaging_period`` and torch's
 
 Registered names: ``model_averaging`` and ``local_sgd`` (periodic, ``period=8``), ``bmuf``
 (Nesterov block momentum 0.5 with block learning rate 0.5, ``period=8``), ``easgd``
-(``beta=0.9``, center first, ``period=4``), ``diloco`` (outer Nesterov SGD lr 0.7 momentum
+(``beta=0.9``, center first, ``period=6``), ``diloco`` (outer Nesterov SGD lr 0.7 momentum
 0.5, ``period=16``). Their defaults keep the step of the inner optimizer (tuned as for DDP)
 rather than multiply it; docs/model_averaging.md ("Defaults") gives the measurements and the
 papers' own values.
@@ -518,7 +518,7 @@ register_strategy(
     ModelAveragingStrategy,
     "synchronous EASGD: replicas and a center variable pull on each other every `period` steps",
     algorithm="easgd",
-    period=4,
+    period=6,
     beta=0.9,
     center_first=True,
 )

@@ -80,8 +80,18 @@ def test_ddp_overlaps_buckets_with_backward_on_a_fast_link() -> None:
 def test_averaging_median_is_the_local_step_and_rounds_are_counted() -> None:
     profile, cluster = _profile(), _cluster()
     averaging = _one("model_averaging", profile, cluster, algorithm="periodic", period=8)
-    loss = all_reduce(cluster, 8.0)
+    # each local step's loss: one slot and one presence flag per replica (replace_collapsed)
+    loss = all_reduce(cluster, 16.0 * cluster.world)
     assert averaging.step_s == pytest.approx(profile.step_s + loss.seconds)
+    mean_only = _one(
+        "model_averaging", profile, cluster, algorithm="periodic", period=8,
+        replace_collapsed=False,
+    )  # fmt: skip
+    assert mean_only.step_s == pytest.approx(profile.step_s + all_reduce(cluster, 8.0).seconds)
+    unwatched = _one(
+        "easgd", profile, cluster, algorithm="easgd", period=8, replace_collapsed=False
+    )
+    assert unwatched.step_s == pytest.approx(profile.step_s)
     model = all_reduce(cluster, profile.parameter_bytes)
     assert averaging.wire_bytes_per_step == pytest.approx(model.wire_bytes / 8 + loss.wire_bytes)
     assert averaging.mean_step_s > averaging.step_s

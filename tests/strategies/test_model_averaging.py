@@ -489,7 +489,7 @@ def test_registered_names_and_bench_style_construction() -> None:
     paper = ModelAveragingStrategy(algorithm="easgd", center_first=False)._make_averager()
     assert isinstance(paper, ElasticAverager) and not paper.center_first
     assert StrategyRegistry["diloco"]["init_params"]["period"] == 16
-    assert StrategyRegistry["easgd"]["init_params"]["period"] == 4
+    assert StrategyRegistry["easgd"]["init_params"]["period"] == 6
     custom = ModelAveragingStrategy(algorithm=BlockMomentumAverager(block_momentum=0.3))
     assert custom.algorithm == "BlockMomentumAverager"
 
