@@ -20,7 +20,6 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_parallel.averaging.collapse import ReplicaCollapse
-from lightning_parallel.averaging.flat import FlatLayout
 from lightning_parallel.averaging.plateau import LossSpike, PlateauExit
 from lightning_parallel.averaging.policies import optimizer_state_tensors, reset_optimizer_state
 from lightning_parallel.averaging.reduction import FlatAllReduce, counted
@@ -72,6 +71,8 @@ class LossResponses(ReplicaState):
     if TYPE_CHECKING:  # the round runner's, defined by ReplicaAveraging
 
         def _finish_round(self, current: Round) -> None: ...
+
+        def _finish_rounds(self) -> None: ...
 
         def _start_averagers(self) -> None: ...
 
@@ -158,18 +159,12 @@ class LossResponses(ReplicaState):
         healthy = self.collapse.healthy()
         if not healthy:
             return
-        while self._rounds:  # a round in flight holds the collapsed replica's values
-            self._finish_round(self._rounds.pop(0))
+        self._finish_rounds()  # a round in flight holds the collapsed replica's values
         tensors = self._model_tensors() + optimizer_state_tensors(self.optimizers)
-        layout = FlatLayout(tensors)
-        flat = layout.pack(tensors)
-        weight = 1.0 / len(healthy) if dist.get_rank() in healthy else 0.0
-        for buffer in flat:
-            buffer.mul_(weight)
-        self.reduction.all_reduce(flat).wait()
+        means = self._mean(tensors, among=healthy)
         if dist.get_rank() in collapsed:
             with torch.no_grad():
-                for tensor, mean in zip(tensors, layout.unpack(flat), strict=True):
+                for tensor, mean in zip(tensors, means, strict=True):
                     tensor.copy_(mean)
         self.collapse.replaced(collapsed)
         self.ledger.set_gauge("replicas_replaced", self.collapse.collapses)
@@ -178,8 +173,7 @@ class LossResponses(ReplicaState):
         """Every replica restarts from the last agreed point, optimizer state and averagers
         restarted; the next round is ``period`` steps away."""
         self._rollback_due = False
-        while self._rounds:
-            self._finish_round(self._rounds.pop(0))
+        self._finish_rounds()
         self._due = []
         if self._keep_agreement and all(agreement is not None for agreement in self.agreements):
             self._put_agreement()
@@ -228,8 +222,7 @@ class LossResponses(ReplicaState):
         """Every replica takes the mean model and optimizer state; the next ``window_steps``
         steps are synchronous; the averagers restart when they end."""
         self._window_due = False
-        while self._rounds:
-            self._finish_round(self._rounds.pop(0))
+        self._finish_rounds()
         self._due = []
         tensors = self._model_tensors() + optimizer_state_tensors(self.optimizers)
         with torch.no_grad():

@@ -130,17 +130,21 @@ class ReplicaState:
                 else:
                     parameter.grad.copy_(mean)
 
-    def _mean(self, tensors: Sequence[Tensor]) -> list[Tensor]:
-        """The mean over the ranks of ``tensors`` (new tensors; blocking)."""
+    def _mean(self, tensors: Sequence[Tensor], among: Sequence[int] | None = None) -> list[Tensor]:
+        """The mean over the ranks of ``tensors`` (new tensors; blocking; every rank calls it),
+        or over the ranks in ``among`` alone (the others contribute zeros)."""
         if not tensors:
             return []
         layout = FlatLayout(tensors)
         flat = layout.pack(tensors)
         if self.world_size > 1:
             self._wait_in_flight()
+            if among is not None and dist.get_rank() not in among:
+                for buffer in flat:
+                    buffer.zero_()
             ranks = counted(self.reduction.all_reduce(flat), self.world_size)
             for buffer in flat:
-                buffer.div_(ranks)
+                buffer.div_(ranks if among is None else len(among))
         return layout.unpack(flat)
 
     def _wait_in_flight(self) -> None:

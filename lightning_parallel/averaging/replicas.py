@@ -414,10 +414,14 @@ class ReplicaAveraging(LossResponses):
             only = None if len(self.fragments) == 1 else live[:count]
             reset_optimizer_state(self.optimizers, only)
 
-    def _round_of_every_fragment(self) -> None:
-        """Apply the rounds in flight, then run a blocking round of every fragment now."""
+    def _finish_rounds(self) -> None:
+        """Apply every round in flight now, whatever its delay."""
         while self._rounds:
             self._finish_round(self._rounds.pop(0))
+
+    def _round_of_every_fragment(self) -> None:
+        """Apply the rounds in flight, then run a blocking round of every fragment now."""
+        self._finish_rounds()
         self._due = []
         for fragment in self.fragments:
             self._start_round(fragment.index, 0)
@@ -434,8 +438,7 @@ class ReplicaAveraging(LossResponses):
         every replica takes the fragments' agreed points.
         """
         self.synchronize()
-        while self._rounds:
-            self._finish_round(self._rounds.pop(0))
+        self._finish_rounds()
         self.restore_replica()
         if self._in_consensus:
             return
@@ -481,8 +484,7 @@ class ReplicaAveraging(LossResponses):
                 if self.schedule.phase_step > 0 or self._rounds:
                     self._round_of_every_fragment()
             else:
-                while self._rounds:  # nothing moved since they started: applied as they are
-                    self._finish_round(self._rounds.pop(0))
+                self._finish_rounds()  # nothing moved since they started: applied as they are
                 if (
                     self.averager.averages_during_training
                     and self.averager.started
