@@ -160,6 +160,38 @@ def test_seeds_table_gives_means_ranges_and_ratios(tmp_path):
     assert plot.stat().st_size > 0
 
 
+def test_time_to_baseline_reads_each_seeds_target_from_the_baselines_final_accuracy(tmp_path):
+    def run(spec, wire, history):
+        record = _run(spec, wire, 0, None, history[-1][2])
+        record["val_history"] = [[*point, 0.5] for point in history]
+        return record
+
+    files = [
+        _bench_json(
+            tmp_path / "s0.json",
+            0,
+            [
+                run("ddp", 4e6, [(100.0, 22, 0.5), (200.0, 44, 0.9), (300.0, 66, 0.9)]),
+                run("avg", 1e6, [(10.0, 22, 0.7), (20.0, 44, 0.95)]),
+            ],
+        ),
+        _bench_json(
+            tmp_path / "s1.json",
+            1,
+            [
+                run("ddp", 4e6, [(100.0, 22, 0.6), (200.0, 44, 0.8)]),
+                run("avg", 2e6, [(10.0, 22, 0.7), (20.0, 44, 0.75)]),
+            ],
+        ),
+    ]
+    stdout = _example(tmp_path, "time_to_baseline.py", *files, "--baseline", "ddp")
+    # seed 0: ddp reached its final 0.9 at 200 s (not 300 s); avg at 20 s
+    assert (
+        "| `avg` | 20.0 s (0.10x, to 0.900) | never (to 0.800) | never | 0.250x–0.500x |" in stdout
+    )
+    assert "| `ddp` | 200.0 s (1.00x, to 0.900) | 200.0 s (1.00x, to 0.800) | 1.00x |" in stdout
+
+
 def _faulted(tmp_path, spec, seed, acc, went_on, after, logged):
     log = tmp_path / f"{spec}-{seed}.log"
     log.write_text("".join(f"rank {r}: replica rank 2 was lost (no heartbeat)\n" for r in logged))

@@ -215,10 +215,12 @@ class ModelAveragingStrategy(AveragingCheckpoints):
             ``timeout``, with an error naming the rank; ``"continue"`` drops it: rank 0 declares
             it lost after ``heartbeat_timeout`` s of silence, every survivor logs it, the round
             or collective it left unfinished runs again over the survivors, and rounds,
-            Lightning's collectives, ``torchmetrics`` and checkpoints go on among them (its
-            shard of the data is no longer trained or validated). ``"stop"`` is the default
-            because ``"continue"`` changes what the run computes (fewer replicas, less data) and
-            every collective then pays an agreement through the store;
+            Lightning's collectives, ``torchmetrics`` and checkpoints go on among them; from
+            the next epoch on Lightning's sampler divides the data among the survivors, so its
+            shard is trained and validated again (the dataloaders are then rebuilt every epoch).
+            ``"stop"`` is the default because ``"continue"`` changes what the run computes
+            (fewer replicas, longer epochs) and every collective then pays an agreement through
+            the store;
             ``"continue"`` needs a gloo default group.
         heartbeat_timeout: seconds of heartbeat silence after which a replica is lost with
             ``worker_loss="continue"`` (default: half of ``timeout``, at most 60).

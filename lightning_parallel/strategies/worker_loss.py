@@ -9,6 +9,12 @@ and the collective runs again over the survivors. Lightning's per-step broadcast
 SIGTERM flag becomes a local check (each rank reads its own signal: a SIGTERM sent to every
 process, as cluster schedulers do, still stops every rank at the same step).
 
+Nothing of the data is lost with a rank: at the end of every training epoch the survivors agree
+on who is left (one barrier), and after a loss Lightning's distributed sampler divides the data
+among them from the next epoch on (``distributed_sampler_kwargs``; the dataloaders are rebuilt
+every epoch from then, ``Trainer.reload_dataloaders_every_n_epochs = 1``, the user's value
+coming back at teardown). A dataloader that brings its own sampler keeps it.
+
 The argument rules every strategy with a ``worker_loss`` shares live here too
 (:func:`resolve_worker_loss`, :func:`heartbeat_seconds`).
 """
@@ -23,6 +29,7 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 import torch.distributed as dist
+from pytorch_lightning.callbacks import Callback
 from pytorch_lightning.utilities.exceptions import SIGTERMException
 from torch import Tensor
 from torch.distributed import ReduceOp
@@ -99,6 +106,8 @@ class SurvivorCollectives(ParallelStrategyBase):
 
     #: the agreed collectives while fitting with ``worker_loss="continue"`` (else ``None``)
     survivors: Survivors | None = None
+    #: the ranks the data are divided among, once a loss changed them (else ``None``: all)
+    data_members: list[int] | None = None
     _undo_survivors: list[Callable[[], None]]
 
     def start_survivors(
@@ -128,9 +137,15 @@ class SurvivorCollectives(ParallelStrategyBase):
             on_loss=functools.partial(self._log_loss, what),
         )
         self.survivors = survivors
+        divider = _DivideAmongSurvivors(self)
+        callbacks: list[Callback] = trainer.callbacks  # type: ignore[attr-defined]
+        callbacks.append(divider)
+        reload_every = getattr(trainer, "reload_dataloaders_every_n_epochs", 0)
         self._undo_survivors = [
             replace_sigterm_broadcast(trainer, lambda: local_sigterm(trainer)),
             survivors.close,
+            functools.partial(callbacks.remove, divider),
+            functools.partial(setattr, trainer, "reload_dataloaders_every_n_epochs", reload_every),
         ]
         for metric in trainer.lightning_module.modules():
             if isinstance(metric, Metric) and metric.dist_sync_fn is None:
@@ -155,6 +170,37 @@ class SurvivorCollectives(ParallelStrategyBase):
             members,
         )
         process_ledger().set_gauge("workers_lost", float(len(view.lost)))
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Lightning's, or once a loss divided the data again, this rank's share among the
+        survivors (:meth:`divide_data_among_survivors`)."""
+        kwargs: dict[str, Any] = super().distributed_sampler_kwargs
+        members = self.data_members
+        if members is None:
+            return kwargs
+        return {**kwargs, "num_replicas": len(members), "rank": members.index(self.global_rank)}
+
+    def divide_data_among_survivors(self, trainer: pl.Trainer) -> None:
+        """At a training epoch's end (every rank): agree who is left, and if a rank was lost
+        since the data were last divided, divide them among the survivors from the next epoch
+        on (the lost rank's shard would otherwise never be trained or validated again)."""
+        if self.survivors is None:
+            return
+        members = self.survivors.call(LIGHTNING_LANE, _agreed_members)
+        if members == (self.data_members or list(range(self.world_size))):
+            return
+        self.data_members = members
+        trainer.reload_dataloaders_every_n_epochs = 1  # type: ignore[attr-defined]
+        if self.global_rank == members[0]:
+            log.warning(
+                "rank %d: from the next epoch on, the data are divided among the %d remaining "
+                "ranks %s (the dataloaders are rebuilt every epoch)",
+                self.global_rank,
+                len(members),
+                members,
+            )
 
     def member_index(self) -> int:
         """This rank's place among the ranks still in the run (its global rank before a loss)."""
@@ -245,4 +291,23 @@ class SurvivorCollectives(ParallelStrategyBase):
         while getattr(self, "_undo_survivors", None):
             self._undo_survivors.pop()()
         self.survivors = None
+        self.data_members = None
         super().teardown()
+
+
+def _agreed_members(group: Any, members: list[int]) -> list[int]:
+    """A barrier of the ranks still in the run; who they are (the same list on each)."""
+    dist.barrier(group=group)
+    return list(members)
+
+
+class _DivideAmongSurvivors(Callback):
+    """Calls :meth:`SurvivorCollectives.divide_data_among_survivors` at each training epoch's
+    end (after that epoch's validation), where every rank is, in the callbacks' order."""
+
+    def __init__(self, strategy: SurvivorCollectives) -> None:
+        self.strategy = strategy
+
+    @override
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.strategy.divide_data_among_survivors(trainer)

@@ -87,6 +87,26 @@ class _Leave(Callback):
             os._exit(1)
 
 
+class _Seen(Callback):
+    """The first feature of every training sample this rank took, per epoch, and the number of
+    samples of its last validation."""
+
+    def __init__(self) -> None:
+        self.trained: dict[int, list[float]] = {}
+        self.validated = 0
+
+    def on_train_batch_start(self, trainer: Trainer, module: Any, batch: Any, *args: Any) -> None:
+        self.trained.setdefault(trainer.current_epoch, []).extend(batch[0][:, 0].tolist())
+
+    def on_validation_epoch_start(self, *args: Any) -> None:
+        self.validated = 0
+
+    def on_validation_batch_start(
+        self, trainer: Trainer, module: Any, batch: Any, *args: Any
+    ) -> None:
+        self.validated += len(batch[0])
+
+
 def _fit(
     tmp_path: Path,
     rank: int,
@@ -153,15 +173,18 @@ SPECS = {
 def test_the_survivors_go_on_without_a_lost_replica_and_say_so(
     tmp_path: Path, spec: str, when: str
 ) -> None:
-    """Rank 2 of 3 leaves in the first epoch (in training at step 5, or in its validation):
-    ranks 0 and 1 are told, log it, train the three epochs over the two of them (rounds,
-    ``sync_dist``, a torchmetrics metric), write checkpoints, and end on the same model."""
+    """Rank 2 of 3 leaves (in training at step 5, in the second epoch, or in its first
+    validation): ranks 0 and 1 are told, log it, train the three epochs over the two of them
+    (rounds, ``sync_dist``, a torchmetrics metric), write checkpoints, and end on the same
+    model. From the epoch after the one of the loss the data are divided between the two:
+    together they train and validate on every sample again (6 steps an epoch instead of 4)."""
 
     def fn(rank: int, world: int) -> Any:
         checkpoints = ModelCheckpoint(dirpath=tmp_path, save_last=True, every_n_epochs=1)
         strategy = _continuing(**SPECS[spec])
+        seen = _Seen()
         trainer, model, messages = _fit(
-            tmp_path, rank, world, strategy, [_Leave(2, when), checkpoints]
+            tmp_path, rank, world, strategy, [_Leave(2, when), checkpoints, seen]
         )
         return (
             trainer.current_epoch,
@@ -169,6 +192,9 @@ def test_the_survivors_go_on_without_a_lost_replica_and_say_so(
             _vector(model),
             float(trainer.callback_metrics["val_acc"]),
             [m for m in messages if "was lost" in m],
+            seen.trained,
+            seen.validated,
+            [m for m in messages if "the data are divided among" in m],
         )
 
     start_fork_server()  # its first start is not the run's time
@@ -176,12 +202,28 @@ def test_the_survivors_go_on_without_a_lost_replica_and_say_so(
     results = run_distributed(fn, 3, timeout=120, may_vanish={2}, init_group=False)
     assert time.monotonic() - start < 100
     assert results[2] is None
-    for epoch, steps, _, accuracy, said in results[:2]:
-        assert epoch == 3 and steps == 3 * 4  # 96 samples / 3 ranks / batches of 8
+    divided_from = 1 if when == "validation" else 2  # the epoch after the loss
+    for epoch, steps, _, accuracy, said, trained, validated, _ in results[:2]:
+        # 96 samples in batches of 8: 4 steps an epoch on 3 ranks, 6 on 2
+        assert epoch == 3 and steps == 4 * divided_from + 6 * (3 - divided_from)
+        assert [len(trained[e]) for e in range(3)] == [32] * divided_from + [48] * (
+            3 - divided_from
+        )
+        assert validated == 48
         assert 0.5 < accuracy <= 1.0
         assert len(said) == 1, said
         assert "replica rank 2 was lost (no heartbeat for" in said[0]
         assert "training continues on the 2 remaining replicas (ranks [0, 1])" in said[0]
+    dataset = Classifier().train_dataloader().dataset
+    everything = set(dataset.tensors[0][:, 0].tolist())  # type: ignore[attr-defined]
+    first = [set(results[rank][5][0]) for rank in (0, 1)]
+    assert len(everything) == 96 and len(first[0] | first[1]) == 64  # rank 2 had the rest
+    for later in range(divided_from, 3):  # the two survivors cover every sample again
+        mine, yours = (set(results[rank][5][later]) for rank in (0, 1))
+        assert mine | yours == everything and not mine & yours
+    said = results[0][7]
+    assert len(said) == 1 and "the data are divided among the 2 remaining ranks [0, 1]" in said[0]
+    assert results[1][7] == []  # said once, by the first survivor
     assert torch.equal(results[0][2], results[1][2])  # the end of fit: every replica the mean
     assert results[0][3] == results[1][3]  # the metric was synchronised over both
     checkpoint = torch.load(tmp_path / "last.ckpt", weights_only=False)
