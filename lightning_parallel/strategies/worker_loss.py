@@ -137,14 +137,10 @@ class SurvivorCollectives(ParallelStrategyBase):
             on_loss=functools.partial(self._log_loss, what),
         )
         self.survivors = survivors
-        divider = _DivideAmongSurvivors(self)
-        callbacks: list[Callback] = trainer.callbacks  # type: ignore[attr-defined]
-        callbacks.append(divider)
         reload_every = getattr(trainer, "reload_dataloaders_every_n_epochs", 0)
         self._undo_survivors = [
             replace_sigterm_broadcast(trainer, lambda: local_sigterm(trainer)),
             survivors.close,
-            functools.partial(callbacks.remove, divider),
             functools.partial(setattr, trainer, "reload_dataloaders_every_n_epochs", reload_every),
         ]
         for metric in trainer.lightning_module.modules():
@@ -170,6 +166,11 @@ class SurvivorCollectives(ParallelStrategyBase):
             members,
         )
         process_ledger().set_gauge("workers_lost", float(len(view.lost)))
+
+    @override
+    def strategy_callbacks(self, trainer: pl.Trainer) -> list[Callback]:
+        # a no-op until start_survivors ran (worker_loss="continue" while fitting)
+        return [*super().strategy_callbacks(trainer), _DivideAmongSurvivors(self)]
 
     @property
     @override
