@@ -1,52 +1,83 @@
-"""The model-averaging strategy's arguments: text and names turned into averagers and checks.
+"""The model-averaging strategy's arguments, typed and checked: the schedule, the round
+policies, streaming rounds, the loss rules, and what a checkpoint must match to resume.
 
-The strategy's constructor hands its arguments here as they come (the bench's SPEC and the
-command line pass text); what comes back is typed and checked, so that a wrong value fails in
-``ModelAveragingStrategy(...)``, naming the fix, and not in the worker processes.
+The strategy's constructor hands its arguments here as it received them; what comes back is
+typed and checked, so that a wrong value fails in ``ModelAveragingStrategy(...)``, naming the
+fix, and not in the worker processes. The algorithm and its hyperparameters are
+:mod:`~lightning_parallel.strategies.averaging_algorithms`'.
 """
 
 from __future__ import annotations
 
-import functools
-import inspect
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-from torch.optim import Optimizer
-
-from lightning_parallel.averaging import (
-    Averager,
-    BlockMomentumAverager,
-    ElasticAverager,
-    OneShotAverager,
-    OuterOptimizerAverager,
-    PeriodicAverager,
-    ReplicaAveraging,
-)
+from lightning_parallel.averaging import AveragingSchedule, ReplicaAveraging
 from lightning_parallel.averaging.collapse import ReplicaCollapse
-from lightning_parallel.averaging.outer_optimizer import (
-    DILOCO_OUTER_LR,
-    DILOCO_OUTER_MOMENTUM,
-    OuterOptimizerFactory,
-)
 from lightning_parallel.averaging.plateau import LossSpike, PlateauExit
-from lightning_parallel.averaging.policies import check_choice
+from lightning_parallel.averaging.policies import (
+    BUFFER_POLICIES,
+    OPTIMIZER_STATE_POLICIES,
+    check_choice,
+)
 from lightning_parallel.averaging.quantize import OUTER_DTYPES
+from lightning_parallel.averaging.reduction import REDUCE_KINDS
 from lightning_parallel.averaging.rounds import check_alpha, check_sync_delay
 from lightning_parallel.strategies.arguments import optional_bool, optional_float, optional_int
 
 __all__: list[str] = []
 
 VALIDATION_POLICIES: tuple[str, ...] = ("round", "mean", "global")
-ALGORITHMS: tuple[str, ...] = ("periodic", "one_shot", "bmuf", "easgd", "outer_optimizer")
-_ALIASES = {"local_sgd": "periodic", "model_averaging": "periodic", "diloco": "outer_optimizer"}
-_HYPERPARAMETERS = {
-    "bmuf": ("block_momentum", "block_learning_rate", "nesterov"),
-    "easgd": ("alpha", "beta", "center_first"),
-    "outer_optimizer": ("outer_optimizer", "outer_lr", "outer_momentum", "outer_nesterov"),
-}
+
+
+def schedule_arguments(
+    algorithm: str, period: object, warmup_steps: object
+) -> tuple[int | None, int]:
+    """The period (``None`` for ``one_shot``, which has no rounds) and the warm-up, checked."""
+    rounds = None if algorithm == "one_shot" else optional_int("period", period)
+    if rounds is None and algorithm != "one_shot":
+        raise ValueError(
+            "period must be a positive integer; use algorithm='one_shot' to average only "
+            "at the end of training"
+        )
+    warmup = optional_int("warmup_steps", warmup_steps) or 0
+    AveragingSchedule(rounds, warmup)  # validates both
+    return rounds, warmup
+
+
+@dataclass(frozen=True)
+class RoundPolicies:
+    """How a round treats what is not a parameter, and how it travels (see
+    ``ModelAveragingStrategy``'s ``buffers`` to ``ranks_per_host``)."""
+
+    buffers: str
+    optimizer_state: str
+    reduce: str
+    overlap: bool
+    before_validation: str
+    ranks_per_host: int | None
+
+
+def round_policies(
+    buffers: str,
+    optimizer_state: str,
+    reduce: str,
+    overlap: object,
+    before_validation: str,
+    ranks_per_host: object,
+) -> RoundPolicies:
+    """The round policies as the strategy's constructor received them, checked."""
+    per_host = optional_int("ranks_per_host", ranks_per_host)
+    if per_host is not None and per_host < 1:
+        raise ValueError(f"ranks_per_host must be positive, got {per_host}")
+    return RoundPolicies(
+        buffers=check_choice("buffers", buffers, BUFFER_POLICIES),
+        optimizer_state=check_choice("optimizer_state", optimizer_state, OPTIMIZER_STATE_POLICIES),
+        reduce=check_choice("reduce", reduce, REDUCE_KINDS),
+        overlap=bool(optional_bool("overlap", overlap)),
+        before_validation=check_choice("before_validation", before_validation, VALIDATION_POLICIES),
+        ranks_per_host=per_host,
+    )
 
 
 @dataclass(frozen=True)
@@ -195,101 +226,3 @@ def resume_mismatch(
             + " (outer_dtype or before_validation='global' changed)"
         )
     return None
-
-
-def averager_factory(
-    algorithm: str | Averager, hyperparameters: dict[str, Any]
-) -> tuple[str, Callable[[], Averager]]:
-    """The canonical algorithm name and a function building a fresh averager for it (picklable,
-    as the ``spawn`` launcher pickles the strategy, when the algorithm's arguments are)."""
-    given = {name: value for name, value in hyperparameters.items() if value is not None}
-    if isinstance(algorithm, Averager):
-        if given:
-            raise ValueError(
-                f"{', '.join(sorted(given))} configure a named algorithm; set them on the "
-                f"{type(algorithm).__name__} you pass instead"
-            )
-        return type(algorithm).__name__, functools.partial(_given, algorithm)
-    if not isinstance(algorithm, str):
-        raise TypeError(f"algorithm must be a name or an Averager, got {type(algorithm).__name__}")
-    name = _ALIASES.get(algorithm.lower(), algorithm.lower())
-    if name not in ALGORITHMS:
-        choices = ", ".join(repr(choice) for choice in (*ALGORITHMS, *_ALIASES))
-        raise ValueError(f"algorithm must be one of {choices}; got {algorithm!r}")
-    allowed = _HYPERPARAMETERS.get(name, ())
-    stray = sorted(set(given) - set(allowed))
-    if stray:
-        owners = {key: owner for owner, keys in _HYPERPARAMETERS.items() for key in keys}
-        detail = ", ".join(f"{key} (for {owners[key]})" for key in stray)
-        raise ValueError(f"algorithm={name!r} does not use {detail}; remove them")
-    if name == "periodic":
-        return name, PeriodicAverager
-    if name == "one_shot":
-        return name, OneShotAverager
-    options = {key: given[key] for key in allowed if key in given}  # unset: the class's default
-    if name == "bmuf":
-        return name, functools.partial(BlockMomentumAverager, **options)
-    if name == "easgd":
-        return name, functools.partial(ElasticAverager, **options)
-    factory = _outer_optimizer_factory(
-        given.get("outer_optimizer", "sgd"),
-        given.get("outer_lr"),
-        given.get("outer_momentum"),
-        given.get("outer_nesterov"),
-    )
-    return name, functools.partial(OuterOptimizerAverager, factory)
-
-
-def _given(averager: Averager) -> Averager:
-    return averager
-
-
-def _outer_optimizer_factory(
-    optimizer: str | OuterOptimizerFactory,
-    lr: float | None,
-    momentum: float | None,
-    nesterov: bool | None,
-) -> OuterOptimizerFactory:
-    """Build the outer optimizer from a ``torch.optim`` class name and hyperparameters."""
-    if callable(optimizer) and not isinstance(optimizer, str):
-        if lr is not None or momentum is not None or nesterov is not None:
-            raise ValueError(
-                "outer_lr, outer_momentum and outer_nesterov apply to a named outer_optimizer; "
-                "set them inside the function you pass"
-            )
-        return optimizer
-    if not isinstance(optimizer, str):
-        raise TypeError(
-            f"outer_optimizer must name a torch.optim class or be a function, got {optimizer!r}"
-        )
-    classes = {
-        name.lower(): value
-        for name, value in vars(torch.optim).items()
-        if isinstance(value, type) and issubclass(value, Optimizer) and value is not Optimizer
-    }
-    optimizer_class = classes.get(optimizer.lower())
-    if optimizer_class is None:
-        raise ValueError(
-            f"outer_optimizer {optimizer!r} is not a torch.optim class; use one of "
-            f"{', '.join(sorted(classes))}"
-        )
-    accepted = inspect.signature(optimizer_class).parameters
-    options: dict[str, Any] = {"lr": DILOCO_OUTER_LR if lr is None else lr}
-    if optimizer_class is torch.optim.SGD:
-        options["momentum"] = DILOCO_OUTER_MOMENTUM if momentum is None else momentum
-        options["nesterov"] = True if nesterov is None else nesterov
-        if options["nesterov"] and options["momentum"] == 0:
-            options["nesterov"] = False  # torch rejects Nesterov without momentum
-    else:
-        for key, value in (("momentum", momentum), ("nesterov", nesterov)):
-            if value is None:
-                continue
-            if key not in accepted:
-                raise ValueError(
-                    f"torch.optim.{optimizer_class.__name__} takes no {key}; remove outer_{key}"
-                )
-            options[key] = value
-    optimizer_class(  # bad values (negative lr, ...) fail at construction
-        [torch.zeros(1)], **options
-    )
-    return functools.partial(optimizer_class, **options)

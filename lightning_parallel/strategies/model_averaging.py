@@ -88,29 +88,23 @@ from lightning_parallel.averaging.outer_optimizer import (
     DILOCO_OUTER_MOMENTUM,
     OuterOptimizerFactory,
 )
-from lightning_parallel.averaging.policies import (
-    BUFFER_POLICIES,
-    OPTIMIZER_STATE_POLICIES,
-    check_choice,
-)
 from lightning_parallel.averaging.quantize import BlockQuantizer
 from lightning_parallel.averaging.quantized_gather import ROUNDS_LANE, QuantizedAllGather
-from lightning_parallel.averaging.reduction import REDUCE_KINDS
 from lightning_parallel.averaging.survivor_reduction import SurvivorAllReduce, rounds_lane
 from lightning_parallel.comm.modules import broadcast_module_states, optimizers_to_device
 from lightning_parallel.comm.tree import ranks_per_host_from_environment
 from lightning_parallel.compat import register_strategy
 from lightning_parallel.compat.private import layer_sync
 from lightning_parallel.compat.types import StrPath
-from lightning_parallel.strategies.arguments import optional_bool, optional_float, optional_int
+from lightning_parallel.strategies.averaging_algorithms import averager_factory
 from lightning_parallel.strategies.averaging_checkpoints import (
     CHECKPOINT_KEY as CHECKPOINT_KEY,  # the key's home for users of this module
 )
 from lightning_parallel.strategies.averaging_checkpoints import AveragingCheckpoints
 from lightning_parallel.strategies.averaging_options import (
-    VALIDATION_POLICIES,
-    averager_factory,
     loss_rules,
+    round_policies,
+    schedule_arguments,
     streaming_options,
 )
 from lightning_parallel.strategies.worker_loss import heartbeat_seconds, resolve_worker_loss
@@ -301,28 +295,21 @@ class ModelAveragingStrategy(AveragingCheckpoints):
             timeout=timeout,
             start_method=start_method,
         )
-        hyperparameters = {
-            "block_momentum": optional_float("block_momentum", block_momentum),
-            "block_learning_rate": optional_float("block_learning_rate", block_learning_rate),
-            "nesterov": optional_bool("nesterov", nesterov),
-            "alpha": optional_float("alpha", alpha),
-            "beta": optional_float("beta", beta),
-            "center_first": optional_bool("center_first", center_first),
-            "outer_optimizer": outer_optimizer,
-            "outer_lr": optional_float("outer_lr", outer_lr),
-            "outer_momentum": optional_float("outer_momentum", outer_momentum),
-            "outer_nesterov": optional_bool("outer_nesterov", outer_nesterov),
-        }
-        self.algorithm, self._make_averager = averager_factory(algorithm, hyperparameters)
+        self.algorithm, self._make_averager = averager_factory(
+            algorithm,
+            block_momentum=block_momentum,
+            block_learning_rate=block_learning_rate,
+            nesterov=nesterov,
+            alpha=alpha,
+            beta=beta,
+            center_first=center_first,
+            outer_optimizer=outer_optimizer,
+            outer_lr=outer_lr,
+            outer_momentum=outer_momentum,
+            outer_nesterov=outer_nesterov,
+        )
         self._make_averager()  # bad hyperparameters fail here, not in the worker processes
-        self.period = None if self.algorithm == "one_shot" else optional_int("period", period)
-        if self.period is None and self.algorithm != "one_shot":
-            raise ValueError(
-                "period must be a positive integer; use algorithm='one_shot' to average only "
-                "at the end of training"
-            )
-        self.warmup_steps = optional_int("warmup_steps", warmup_steps) or 0
-        AveragingSchedule(self.period, self.warmup_steps)  # validates both
+        self.period, self.warmup_steps = schedule_arguments(self.algorithm, period, warmup_steps)
         self.loss_rules = loss_rules(
             synchronous_window,
             plateau_drop,
@@ -331,39 +318,24 @@ class ModelAveragingStrategy(AveragingCheckpoints):
             spike_regression,
             replace_collapsed,
         )
-        # Not ``self.reduce`` / ``self.optimizer_state``: those are Strategy methods.
-        self.buffer_policy = check_choice("buffers", buffers, BUFFER_POLICIES)
-        self.optimizer_state_policy = check_choice(
-            "optimizer_state", optimizer_state, OPTIMIZER_STATE_POLICIES
+        self.policies = round_policies(
+            buffers, optimizer_state, reduce, overlap, before_validation, ranks_per_host
         )
-        self.reduce_kind = check_choice("reduce", reduce, REDUCE_KINDS)
-        self.overlap = bool(optional_bool("overlap", overlap))
-        streaming = streaming_options(
+        self.streaming = streaming_options(
             self.algorithm,
             self.period,
-            self.overlap,
+            self.policies.overlap,
             fragments,
             sync_delay,
             fragment_update_alpha,
             outer_dtype,
             outer_error_feedback,
         )
-        self.fragments = streaming.fragments
-        self.sync_delay = streaming.sync_delay
-        self.fragment_update_alpha = streaming.fragment_update_alpha
-        self.outer_dtype = streaming.outer_dtype
-        self.outer_error_feedback = streaming.outer_error_feedback
-        self.before_validation = check_choice(
-            "before_validation", before_validation, VALIDATION_POLICIES
-        )
         backend = str(kwargs.get("process_group_backend"))
         self.worker_loss = resolve_worker_loss(worker_loss, backend, default="stop")
         self.fault_timeout = heartbeat_seconds(
             heartbeat_timeout, self.collective_timeout.total_seconds()
         )
-        self.ranks_per_host = optional_int("ranks_per_host", ranks_per_host)
-        if self.ranks_per_host is not None and self.ranks_per_host < 1:
-            raise ValueError(f"ranks_per_host must be positive, got {self.ranks_per_host}")
         self.averaging: ReplicaAveraging | None = None
         self._stepped_this_batch = False
         self._synchronous_batch = False
@@ -405,31 +377,33 @@ class ModelAveragingStrategy(AveragingCheckpoints):
 
     def _build_averaging(self, trainer: pl.Trainer) -> ReplicaAveraging:
         assert self.lightning_module is not None
-        ranks_per_host = self.ranks_per_host
-        if ranks_per_host is None and self.reduce_kind == "tree":
+        policies, streaming = self.policies, self.streaming
+        ranks_per_host = policies.ranks_per_host
+        if ranks_per_host is None and policies.reduce == "tree":
             ranks_per_host = ranks_per_host_from_environment() or self.num_processes
-        reduction = build_reduction(self.reduce_kind, ranks_per_host)
+        reduction = build_reduction(policies.reduce, ranks_per_host)
         survivors = None
         if self.worker_loss == "continue" and self.world_size > 1:
             resolve_worker_loss("continue", dist.get_backend())  # the group's real backend
             lanes = {ROUNDS_LANE: rounds_lane(reduction)}
             survivors = self.start_survivors(trainer, lanes, self.fault_timeout, "replica")
             reduction = SurvivorAllReduce(survivors, reduction)
-        quantizer = None if self.outer_dtype == "fp32" else BlockQuantizer(self.outer_dtype)
+        dtype = streaming.outer_dtype
+        quantizer = None if dtype == "fp32" else BlockQuantizer(dtype)
         return ReplicaAveraging(
             module=self.lightning_module,
             optimizers=self.optimizers,
             averager=self._make_averager(),
             schedule=AveragingSchedule(self.period, self.warmup_steps),
             reduction=reduction,
-            buffers=self.buffer_policy,
-            optimizer_state=self.optimizer_state_policy,
-            fragments=self.fragments,
-            sync_delay=self.sync_delay,
-            fragment_update_alpha=self.fragment_update_alpha,
+            buffers=policies.buffers,
+            optimizer_state=policies.optimizer_state,
+            fragments=streaming.fragments,
+            sync_delay=streaming.sync_delay,
+            fragment_update_alpha=streaming.fragment_update_alpha,
             quantized=None if quantizer is None else QuantizedAllGather(quantizer, survivors),
-            error_feedback=self.outer_error_feedback,
-            keep_agreement=self.before_validation == "global",
+            error_feedback=streaming.outer_error_feedback,
+            keep_agreement=policies.before_validation == "global",
             **self.loss_rules.engine_arguments(),
         )
 
@@ -476,7 +450,7 @@ class ModelAveragingStrategy(AveragingCheckpoints):
     def on_validation_start(self) -> None:
         super().on_validation_start()
         if self.averaging is not None:
-            self.averaging.prepare_evaluation(policy=self.before_validation)
+            self.averaging.prepare_evaluation(policy=self.policies.before_validation)
 
     @override
     def on_validation_end(self) -> None:

@@ -26,10 +26,11 @@ and on one device. How a step goes:
 5. a worker that dies, freezes or is cut off during an epoch (not rank 0, not a shard host) is
    *lost*: the server goes on without it (``worker_loss="continue"``), the others finish the
    epoch's budget, and at the drain every rank logs the loss and moves Lightning's collectives
-   (validation metrics, checkpoints, ``torchmetrics``) to a group of the survivors. The lost
-   worker's share of the validation set is no longer evaluated. A worker lost outside an
-   epoch's training (during validation or a checkpoint), rank 0 or a shard host ends the run
-   on every rank with an error naming it.
+   (validation metrics, checkpoints, ``torchmetrics``) to a group of the survivors; from the
+   next epoch on Lightning's sampler divides the data among them, for training and validation
+   (the dataloaders are then rebuilt every epoch). A worker lost between two training epochs
+   (in validation, a checkpoint) fails the next collective, which runs again over the
+   survivors. A lost rank 0 or shard host ends the run on every rank with an error naming it.
 
 The strategy is thin: the server, its client, the epoch budget and the survivors of a lost
 worker (:mod:`~lightning_parallel.parameter_server.survivors`) are plain torch; its base
@@ -198,7 +199,7 @@ class ParameterServerStrategy(ParameterServerCollectives):
         self._server_state: dict[str, Any] | None = None
         self._resume_server_state: dict[str, Any] | None = None
         self._restore: list[Callable[[], None]] = []
-        self._hooks = ParameterServerHooks(self.drain)
+        self._hooks = ParameterServerHooks(self.drain, self.divide_data_among_survivors)
         self._limit: int | float = 1.0
         #: the ranks still in the run and their group, once a worker was lost
         self.lost_workers = LostWorkers()
@@ -260,6 +261,11 @@ class ParameterServerStrategy(ParameterServerCollectives):
         # Lightning broadcasts a SIGTERM flag from rank 0 before every training batch, which
         # would put the workers back in lockstep; each rank checks its own signal instead.
         self._restore.append(replace_sigterm_broadcast(trainer, lambda: local_sigterm(trainer)))
+        # a lost worker's data are divided among the survivors by rebuilding the loaders
+        reload_every = getattr(trainer, "reload_dataloaders_every_n_epochs", 0)
+        self._restore.append(
+            functools.partial(setattr, trainer, "reload_dataloaders_every_n_epochs", reload_every)
+        )
         self.runtime = ParameterServerRuntime(
             self.optimizers[0],
             self.policy,
@@ -360,6 +366,15 @@ class ParameterServerStrategy(ParameterServerCollectives):
             else:
                 optimizer.step = previous  # type: ignore[method-assign]
 
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if self._asynchronous and trainer is not None and trainer.validating:
+            # Lightning's validation rebuilds its dataloader (every epoch after a lost worker)
+            # and meets at a barrier before on_validation_start, whose drain then comes first
+            self.drain(trainer)
+        super().barrier(name)
+
     def drain(self, trainer: pl.Trainer) -> None:
         """End the epoch now if this worker has not drained yet (no gradient sent)."""
         if self.runtime is not None and self.runtime.client.in_epoch:
@@ -447,6 +462,7 @@ class ParameterServerStrategy(ParameterServerCollectives):
             runtime.close(failed=self.failed)
         while self._restore:
             self._restore.pop()()
+        self.data_members = None
         super().teardown()
 
 

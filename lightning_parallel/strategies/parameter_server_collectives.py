@@ -14,7 +14,11 @@
    ``worker_loss="continue"``, a worker lost between two training epochs fails the collective
    on every survivor; each waits for the server's verdict, moves to the survivors' group and
    runs it again. Every collective here needs every member's data (the broadcast is an
-   all-gather), so that a lost worker fails it on every survivor alike.
+   all-gather), so that a lost worker fails it on every survivor alike;
+3. nothing of the data is lost with a worker: at the first training epoch's end after a loss,
+   Lightning's sampler divides the data among the survivors from the next epoch on
+   (:meth:`~ParameterServerCollectives.divide_data_among_survivors`; the dataloaders are then
+   rebuilt every epoch).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import pytorch_lightning as pl
 import torch
 from pytorch_lightning.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
@@ -33,6 +38,7 @@ from lightning_parallel.comm.devices import all_reduce_
 from lightning_parallel.parameter_server.runtime import ParameterServerRuntime
 from lightning_parallel.parameter_server.survivors import LostWorkers
 from lightning_parallel.strategies.base import ParallelStrategyBase
+from lightning_parallel.strategies.worker_loss import rebuild_loaders_for, share_among
 
 __all__: list[str] = []
 
@@ -53,6 +59,8 @@ class ParameterServerCollectives(ParallelStrategyBase):
     #: inside an epoch's training, where the workers are not in step
     _asynchronous: bool = False
     _warned_sync_dist: bool = False
+    #: the ranks the data are divided among, once a loss changed them (else ``None``: all)
+    data_members: list[int] | None = None
 
     @property
     def survivors(self) -> list[int] | None:
@@ -67,6 +75,25 @@ class ParameterServerCollectives(ParallelStrategyBase):
         gives every rank the same list)."""
         if self.runtime is not None:
             self.lost_workers.adopt(self.runtime, count, self.world_size)
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Lightning's, or once a loss divided the data again, this rank's share among the
+        survivors (:meth:`divide_data_among_survivors`)."""
+        kwargs: dict[str, Any] = super().distributed_sampler_kwargs
+        return share_among(kwargs, self.data_members, self.global_rank)
+
+    def divide_data_among_survivors(self, trainer: pl.Trainer) -> None:
+        """At a training epoch's end, after the drain (every survivor knows the same losses
+        there): if a worker was lost since the data were last divided, Lightning's sampler
+        divides them among the survivors from the next epoch on, for training and validation
+        (the lost worker's shard would otherwise never be trained or validated again)."""
+        members = self.lost_workers.survivors
+        if members is None or members == self.data_members:
+            return
+        self.data_members = list(members)
+        rebuild_loaders_for(trainer, self.data_members, self.global_rank)
 
     def _collective(self, run: Callable[[Any], _T]) -> _T:
         """``run(group)``: a collective over the ranks still in the run (``group`` is ``None``,

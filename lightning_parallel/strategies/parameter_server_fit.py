@@ -8,7 +8,8 @@ server), a ``softsync`` above the world size, and shards or a server rank the wo
 It also resolves ``lr_scale="auto"``: the step per sample of synchronous training.
 
 :class:`ParameterServerHooks` keeps the data iterator in its epoch and drains a worker whose last
-step did not (validation and the epoch end then find every rank with the server's weights).
+step did not (validation and the epoch end then find every rank with the server's weights);
+after a lost worker, the strategy then divides the data among the survivors.
 """
 
 from __future__ import annotations
@@ -86,14 +87,21 @@ def check_fit(
 
 
 class ParameterServerHooks(Callback):
-    """Keep the data iterator in its epoch; drain at the epoch end if the last step did not.
+    """Keep the data iterator in its epoch; drain at the epoch end if the last step did not,
+    then divide the data among the survivors of a lost worker.
 
     Args:
         drain: the strategy's drain: ends the epoch now for a worker that has not drained yet.
+        after_drain: called at every training epoch's end once drained (every rank).
     """
 
-    def __init__(self, drain: Callable[[pl.Trainer], None]) -> None:
+    def __init__(
+        self,
+        drain: Callable[[pl.Trainer], None],
+        after_drain: Callable[[pl.Trainer], None],
+    ) -> None:
         self.drain = drain
+        self.after_drain = after_drain
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         combined, fetcher = fit_loop_data(trainer)
@@ -107,3 +115,4 @@ class ParameterServerHooks(Callback):
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.drain(trainer)
+        self.after_drain(trainer)

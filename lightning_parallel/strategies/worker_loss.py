@@ -95,6 +95,32 @@ def heartbeat_seconds(value: object, limit: float) -> float:
     return seconds
 
 
+def share_among(kwargs: dict[str, Any], members: list[int] | None, rank: int) -> dict[str, Any]:
+    """Lightning's distributed sampler arguments ``kwargs``, or, once a loss divided the data
+    again among ``members``, ``rank``'s share of them (a rank no longer among them keeps
+    ``kwargs``: it is leaving the run)."""
+    if members is None or rank not in members:
+        return kwargs
+    return {**kwargs, "num_replicas": len(members), "rank": members.index(rank)}
+
+
+def rebuild_loaders_for(trainer: pl.Trainer, members: list[int], rank: int) -> None:
+    """Have Lightning rebuild the dataloaders every epoch from the next one on, so that its
+    sampler divides the data among ``members`` (:func:`share_among`); the first says so.
+
+    The caller puts the user's ``reload_dataloaders_every_n_epochs`` back at teardown.
+    """
+    trainer.reload_dataloaders_every_n_epochs = 1  # type: ignore[attr-defined]
+    if rank == members[0]:
+        log.warning(
+            "rank %d: from the next epoch on, the data are divided among the %d remaining "
+            "ranks %s (the dataloaders are rebuilt every epoch)",
+            rank,
+            len(members),
+            members,
+        )
+
+
 def local_sigterm(trainer: pl.Trainer) -> None:
     """Stop this rank if it received SIGTERM (instead of rank 0's flag, broadcast every step)."""
     if getattr(trainer, "received_sigterm", False):
@@ -178,10 +204,7 @@ class SurvivorCollectives(ParallelStrategyBase):
         """Lightning's, or once a loss divided the data again, this rank's share among the
         survivors (:meth:`divide_data_among_survivors`)."""
         kwargs: dict[str, Any] = super().distributed_sampler_kwargs
-        members = self.data_members
-        if members is None:
-            return kwargs
-        return {**kwargs, "num_replicas": len(members), "rank": members.index(self.global_rank)}
+        return share_among(kwargs, self.data_members, self.global_rank)
 
     def divide_data_among_survivors(self, trainer: pl.Trainer) -> None:
         """At a training epoch's end (every rank): agree who is left, and if a rank was lost
@@ -193,15 +216,7 @@ class SurvivorCollectives(ParallelStrategyBase):
         if members == (self.data_members or list(range(self.world_size))):
             return
         self.data_members = members
-        trainer.reload_dataloaders_every_n_epochs = 1  # type: ignore[attr-defined]
-        if self.global_rank == members[0]:
-            log.warning(
-                "rank %d: from the next epoch on, the data are divided among the %d remaining "
-                "ranks %s (the dataloaders are rebuilt every epoch)",
-                self.global_rank,
-                len(members),
-                members,
-            )
+        rebuild_loaders_for(trainer, members, self.global_rank)
 
     def member_index(self) -> int:
         """This rank's place among the ranks still in the run (its global rank before a loss)."""

@@ -463,7 +463,7 @@ def test_registered_names_and_bench_style_construction() -> None:
         strategy = entry["strategy"](**{**entry["init_params"], **options})
         assert strategy.algorithm == algorithm
         assert strategy.period == 8
-        assert strategy.reduce_kind == "tree"
+        assert strategy.policies.reduce == "tree"
         assert strategy.reports_communication
     diloco = StrategyRegistry["diloco"]["strategy"](**StrategyRegistry["diloco"]["init_params"])
     outer = diloco._make_averager()

@@ -303,7 +303,25 @@ def test_the_others_go_on_without_a_killed_worker_and_say_so(tmp_path, when):
     """Rank 2 of 3 dies in the first epoch, in its training (the others learn it at the drain)
     or in its validation (the others' collectives fail, and go on over the survivors): ranks 0
     and 1 train the three epochs, validate (``sync_dist`` and a torchmetrics metric, over the
-    survivors), save checkpoints and log the loss; both end on the server's weights."""
+    survivors), save checkpoints and log the loss; both end on the server's weights. From the
+    second epoch on they divide every sample among themselves: rank 2's share is trained and
+    validated again."""
+
+    class Seen(Callback):
+        """The first feature of every sample this rank trained on, per epoch, and of every
+        sample of its last validation."""
+
+        def __init__(self):
+            self.trained, self.validated = {}, []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.trained.setdefault(trainer.current_epoch, []).extend(batch[0][:, 0].tolist())
+
+        def on_validation_epoch_start(self, trainer, pl_module):
+            self.validated = []
+
+        def on_validation_batch_start(self, trainer, pl_module, batch, *args):
+            self.validated.extend(batch[0][:, 0].tolist())
 
     class Die(Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
@@ -322,13 +340,14 @@ def test_the_others_go_on_without_a_killed_worker_and_say_so(tmp_path, when):
         logging.getLogger("lightning_parallel").addHandler(handler)
         checkpoints = ModelCheckpoint(dirpath=tmp_path, save_last=True, every_n_epochs=1)
         strategy = ParameterServerStrategy(timeout=timedelta(seconds=30))
+        seen = Seen()
         trainer = Trainer(
             accelerator="cpu",
             devices=1,
             num_nodes=world,
             strategy=strategy,
             max_epochs=3,
-            callbacks=[Die(), checkpoints],
+            callbacks=[Die(), checkpoints, seen],
             logger=False,
             enable_progress_bar=False,
             enable_model_summary=False,
@@ -343,17 +362,38 @@ def test_the_others_go_on_without_a_killed_worker_and_say_so(tmp_path, when):
             _vector(model),
             float(trainer.callback_metrics["val_acc"]),
             [m for m in messages if "was lost" in m],
+            seen.trained,
+            seen.validated,
+            [m for m in messages if "the data are divided among" in m],
+            trainer.reload_dataloaders_every_n_epochs,
         )
 
     start = time.monotonic()
     results = run_distributed(fn, 3, timeout=120, may_vanish={2}, init_group=False)
     assert time.monotonic() - start < 90
     assert results[2] is None
-    for epoch, survivors, _, accuracy, said in results[:2]:
+    for epoch, survivors, _, accuracy, said, _, validated, _, reload in results[:2]:
         assert epoch == 3 and survivors == [0, 1]
         assert 0.0 <= accuracy <= 1.0
         assert len(said) == 1 and "worker rank 2 was lost" in said[0], said
         assert "training continues on the 2 remaining workers" in said[0]
+        assert len(validated) == 256  # half of the 512 validation samples (a third before)
+        assert reload == 0  # the user's setting is back after fit
+    everything = set(_Measured(samples=512)._data(1).tensors[0][:, 0].tolist())
+    trained = [results[rank][5][2] for rank in (0, 1)]
+    # the last epoch's budget is the survivors' shares, all 512 samples (2 x 22 batches of a
+    # third each before; a batch whose grant a faster worker took is recorded, not trained),
+    # and they drew from every one (not exactly each once: a fast worker past its share
+    # reshuffles, a slow one stops early)
+    assert len(trained[0]) + len(trained[1]) >= 512
+    last = set(trained[0]) | set(trained[1])
+    assert last <= everything and len(last) > 0.9 * len(everything)
+    validation = set(_Measured(samples=512)._data(2).tensors[0][:, 0].tolist())
+    mine, yours = set(results[0][6]), set(results[1][6])
+    assert mine | yours == validation and not mine & yours
+    said = results[0][7]
+    assert len(said) == 1 and "the data are divided among the 2 remaining ranks [0, 1]" in said[0]
+    assert results[1][7] == []
     assert torch.equal(results[0][2], results[1][2])
     assert results[0][3] == results[1][3]  # the metric was synchronised over both
     checkpoint = torch.load(tmp_path / "last.ckpt", weights_only=False)
