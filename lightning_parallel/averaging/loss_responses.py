@@ -20,24 +20,20 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_parallel.averaging.collapse import ReplicaCollapse
+from lightning_parallel.averaging.exchange import RoundExchange
 from lightning_parallel.averaging.plateau import LossSpike, PlateauExit
 from lightning_parallel.averaging.policies import optimizer_state_tensors, reset_optimizer_state
 from lightning_parallel.averaging.reduction import FlatAllReduce, counted
-from lightning_parallel.averaging.replica_state import ReplicaState
-from lightning_parallel.averaging.rounds import Round
-from lightning_parallel.comm.ledger import CommLedger
 
 __all__: list[str] = []
 
 
-class LossResponses(ReplicaState):
+class LossResponses(RoundExchange):
     """Watch the mean training loss and answer its plateau exit and its spikes.
 
     The round runner (:class:`~lightning_parallel.averaging.ReplicaAveraging`) provides
-    :meth:`_finish_round` and :meth:`_start_averagers`, and calls :meth:`watch_loss` once.
+    :meth:`_start_averagers`, and calls :meth:`watch_loss` once.
     """
-
-    ledger: CommLedger
 
     def watch_loss(
         self,
@@ -69,10 +65,6 @@ class LossResponses(ReplicaState):
         self._holding = False
 
     if TYPE_CHECKING:  # the round runner's, defined by ReplicaAveraging
-
-        def _finish_round(self, current: Round) -> None: ...
-
-        def _finish_rounds(self) -> None: ...
 
         def _start_averagers(self) -> None: ...
 
