@@ -52,11 +52,15 @@ def _expand_short_names(argv: list[str]) -> tuple[list[str], bool]:
     Returns the new argument list and whether both model and data are demo classes (then the
     model's input shape is linked to the data's).
     """
+    import lightning_parallel.demo.data as demo_data
+    import lightning_parallel.demo.models as demo_models
     from lightning_parallel.demo import default_data
-    from lightning_parallel.demo.data import DATAMODULES
-    from lightning_parallel.demo.models import MODELS
 
+    MODELS, DATAMODULES = demo_models.MODELS, demo_data.DATAMODULES
     tables: dict[str, dict[str, type]] = {"--model": MODELS, "--data": DATAMODULES}
+    # a short name expands to the class's path in the module that registers it (the models
+    # are defined by family, in modules next to ``demo.models``)
+    registry = {"--model": demo_models.__name__, "--data": demo_data.__name__}
     out: list[str] = []
     demo = {"--model": True, "--data": True}
     given: dict[str, str] = {}
@@ -72,8 +76,7 @@ def _expand_short_names(argv: list[str]) -> tuple[list[str], bool]:
             given[flag] = value
             table = tables[flag]
             if value in table:
-                cls = table[value]
-                value = f"{cls.__module__}.{cls.__name__}"
+                value = f"{registry[flag]}.{table[value].__name__}"
             elif not value.startswith(
                 ("lightning_parallel.demo", "lightning_parallel.lightning.demo")
             ):
@@ -93,7 +96,7 @@ def _expand_short_names(argv: list[str]) -> tuple[list[str], bool]:
     if given.get("--model") in MODELS and "--data" not in given:
         # a bundled model without --data trains on the bundled data of its kind
         cls = DATAMODULES[default_data(given["--model"])]
-        out.append(f"--data={cls.__module__}.{cls.__name__}")
+        out.append(f"--data={registry['--data']}.{cls.__name__}")
     return out, demo["--model"] and demo["--data"]
 
 

@@ -37,7 +37,16 @@ from pathlib import Path
 __all__ = ["LAYER_MODULES", "ensure_current", "expected_files", "rewrite", "write"]
 
 # The modules (and packages, with everything under them) that import Lightning.
-LAYER_MODULES: tuple[str, ...] = ("strategies", "callbacks", "demo.models", "demo.data", "cli")
+LAYER_MODULES: tuple[str, ...] = (
+    "strategies",
+    "callbacks",
+    "demo.classifier",
+    "demo.image_models",
+    "demo.sequence_models",
+    "demo.models",
+    "demo.data",
+    "cli",
+)
 ROOT = "lightning_parallel"
 BUILD = "lightning"  # the build's folder inside the package: lightning_parallel/lightning/
 PACKAGE_DIR = Path(__file__).resolve().parent.parent
