@@ -16,7 +16,7 @@ backward pass. The hook:
    seconds waited; on CUDA the device is synchronised around each timed part), from which the
    :class:`~lightning_parallel.compression.CostModel` decides, identically on every rank,
    which candidate each layer keeps and which layers go back to the dense allreduce (their
-   residuals are flushed into it).
+   residuals are flushed into it); see :mod:`.calibration`.
 
 Without the background thread (CUDA, or ``overlap=False``) the exchange runs inside the hook
 call, and a bucket whose layers are all uncompressed takes torch's asynchronous allreduce,
@@ -36,6 +36,7 @@ from lightning_parallel.comm.accounting import ring_allreduce_bytes
 from lightning_parallel.comm.agreement import check_same_settings, plain_attributes
 from lightning_parallel.comm.devices import to_group
 from lightning_parallel.compression.background import BackgroundThread
+from lightning_parallel.compression.calibration import Calibration
 from lightning_parallel.compression.cost_model import CostModel
 from lightning_parallel.compression.error_feedback import ErrorFeedback
 from lightning_parallel.compression.exchange import (
@@ -46,9 +47,8 @@ from lightning_parallel.compression.exchange import (
     resolve_piece_numel,
 )
 from lightning_parallel.compression.exchange_step import no_sync
-from lightning_parallel.compression.policy import DENSE, HyloPolicy, LayerPlan
+from lightning_parallel.compression.policy import HyloPolicy, LayerPlan
 from lightning_parallel.compression.telemetry import StepAverages, exchange_gauges
-from lightning_parallel.compression.trials import try_candidates
 
 __all__: list[str] = []
 
@@ -109,26 +109,17 @@ class HyloHook:
         self.piece_numel = check_piece_numel(piece_numel)
         if warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
-        if cost_model is not None and calibration_steps < 1:
-            raise ValueError(
-                "the cost model measures on the first calibration_steps compressed steps: "
-                f"calibration_steps must be >= 1, got {calibration_steps}; raise it or pass "
-                "cost_model=None"
-            )
         named = list(named_parameters)
         self.policy = policy if policy is not None else HyloPolicy()
         self.names = {id(param): name for name, param in named}
-        self.policy_plans: dict[str, LayerPlan] = self.policy.plan(named)
-        self.plans: dict[str, LayerPlan] = dict(self.policy_plans)
-        self.candidates: dict[str, list[LayerPlan]] = {
-            name: self.policy.candidates(name, plan.shape)
-            for name, plan in self.policy_plans.items()
-        }
+        policy_plans = self.policy.plan(named)
+        self.plans: dict[str, LayerPlan] = dict(policy_plans)
         self.warmup_steps = warmup_steps
-        self.calibration_steps = calibration_steps
-        self.cost_model = cost_model
         self.process_group = process_group
         self.memory = ErrorFeedback()
+        self.calibration = Calibration(
+            self.policy, policy_plans, cost_model, warmup_steps, calibration_steps, self.memory
+        )
         self.server_memory = ErrorFeedback()
         self.exchange = HyloExchange(
             self.memory,
@@ -195,7 +186,7 @@ class HyloHook:
             return self._average(buffer, params, is_last, blocking=False)
         future: torch.futures.Future[Tensor] = torch.futures.Future()
         thread, handed = self._background(), time.perf_counter()
-        if bucket.index() == 0 and self.step >= self.warmup_steps + self._calibrations:
+        if bucket.index() == 0 and self.step >= self.warmup_steps + self.calibration.steps:
             self.averages.step_begins(thread, self.step)  # a steady step: counted from here
         thread.submit(lambda: self._complete(future, buffer, params, is_last, handed))
         return future
@@ -275,19 +266,19 @@ class HyloHook:
         compressed = any(layer.plan.compressed for layer in layers)
         finish: Callable[[], None] = no_sync  # nothing to finish
         if self.compressing and compressed:
-            calibrating = self._calibrating()
+            calibrating = self.calibration.calibrating(self.step)
             # the cost model needs the device's times, not the launches' (CUDA synchronises
             # then), and the link's alone (layers travel unpipelined then)
             self.exchange.calibrating = calibrating
             if calibrating:
-                self._try_candidates(layers, world)
+                self.calibration.try_candidates(layers, world)
             pending = self.exchange.start(layers)
 
             def finish() -> None:
                 reports = self.exchange.finish(pending)
                 self.reports.update(reports)
                 if calibrating:
-                    self._observe(reports)
+                    self.calibration.observe(reports, self.plans, self.exchange.last_wait_seconds)
 
             if calibrating:  # measured alone, before the cost model decides
                 finish()
@@ -298,9 +289,8 @@ class HyloHook:
             future = self._allreduce(buffer, layers, world, blocking)
         if is_last:
             self.step += 1
-            calibrated = self.warmup_steps + self.calibration_steps
-            if self.cost_model is not None and self.step == calibrated:
-                self._decide()
+            if self.calibration.decides_after(self.step):
+                self.plans = self.calibration.decide(self.process_group)
         return finish, future
 
     def _layers(self, params: list[Tensor], buffer: Tensor) -> list[LayerGradient]:
@@ -351,12 +341,13 @@ class HyloHook:
             (plan.name, plan.shape, plan.route, plain_attributes(plan.codec))
             for _, plan in sorted(self.plans.items())
         )
+        cost_model = self.calibration.cost_model
         return {
             "piece_numel": self.exchange.piece_numel,
             "two_bit_exchange": self.exchange.two_bit_exchange,
             "warmup_steps": self.warmup_steps,
-            "calibration_steps": self.calibration_steps,
-            "cost_model": None if self.cost_model is None else plain_attributes(self.cost_model),
+            "calibration_steps": self.calibration.calibration_steps,
+            "cost_model": None if cost_model is None else plain_attributes(cost_model),
             "step": self.step,
             "plans": plans,
         }
@@ -383,63 +374,6 @@ class HyloHook:
             nbytes = layer.gradient.numel() * layer.gradient.element_size()
             dense = ring_allreduce_bytes(nbytes, world)
             self.reports[layer.plan.name] = LayerReport(bytes_sent=dense, dense_bytes=dense)
-
-    # -- warm-up calibration and the cost model -------------------------------------------
-
-    @property
-    def _calibrations(self) -> int:
-        """Steps that calibrate the cost model (none without one)."""
-        return self.calibration_steps if self.cost_model is not None else 0
-
-    def _calibrating(self) -> bool:
-        return self.warmup_steps <= self.step < self.warmup_steps + self._calibrations
-
-    def _try_candidates(self, layers: list[LayerGradient], world: int) -> None:
-        """Measure every candidate codec of the layers that have several (see
-        :func:`~lightning_parallel.compression.trials.try_candidates`)."""
-        assert self.cost_model is not None
-        for layer in layers:
-            candidates = self.candidates.get(layer.plan.name, [])
-            if len(candidates) >= 2:
-                try_candidates(layer, candidates, self.memory, self.cost_model, world)
-
-    def _observe(self, reports: dict[str, LayerReport]) -> None:
-        """Feed one compressed exchange's timings to the cost model (a layer with several
-        candidates was measured by :meth:`_try_candidates` instead)."""
-        assert self.cost_model is not None
-        sent = 0.0
-        for name, report in reports.items():
-            sent += report.bytes_sent
-            plan = self.plans[name]
-            if plan.compressed and len(self.candidates.get(name, [])) < 2:
-                seconds = report.encode_s + report.decode_s
-                self.cost_model.observe_codec(
-                    name, seconds, report.dense_bytes, report.bytes_sent, plan.route
-                )
-        self.cost_model.observe_transfer(sent, self.exchange.last_wait_seconds)
-
-    def _decide(self) -> None:
-        """Agree on the measurements (max over ranks) and keep unprofitable layers dense."""
-        assert self.cost_model is not None
-        names = sorted(name for name, plan in self.policy_plans.items() if plan.compressed)
-        # host values built on the CPU; on the group's device for the (once per run) exchange
-        agreed = to_group(self.cost_model.measurements(names), self.process_group)
-        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.process_group)
-        self._apply(self.cost_model.decide(names, agreed, self.policy.error_budget))
-
-    def _apply(self, decisions: dict[str, Any]) -> None:
-        """Each layer's plan from the decisions: dense, or the candidate kept."""
-        self.plans = dict(self.policy_plans)
-        for name, decision in decisions.items():
-            plan = self.plans.get(name)
-            if plan is None:
-                continue
-            if not decision.compress:
-                self.plans[name] = LayerPlan(name, plan.shape, DENSE, self.policy.dense_codec)
-                continue
-            for candidate in self.candidates.get(name, []):
-                if candidate.route == decision.route:
-                    self.plans[name] = candidate
 
     # -- stochastic codecs ----------------------------------------------------------------
 
@@ -471,13 +405,14 @@ class HyloHook:
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's state: step, residuals, codec generators, cost-model decisions."""
+        cost_model = self.calibration.cost_model
         return {
             "step": self.step,
             "calls": self.calls,
             "memory": self.memory.state_dict(),
             "server_memory": self.server_memory.state_dict(),
             "codecs": {name: codec.state_dict() for name, codec in self.policy.codecs().items()},
-            "cost_model": self.cost_model.state_dict() if self.cost_model is not None else None,
+            "cost_model": None if cost_model is None else cost_model.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any], device: torch.device | None = None) -> None:
@@ -490,6 +425,7 @@ class HyloHook:
         for name, codec_state in state["codecs"].items():
             if name in codecs:
                 codecs[name].load_state_dict(codec_state)
-        if self.cost_model is not None and state.get("cost_model") is not None:
-            self.cost_model.load_state_dict(state["cost_model"])
-            self._apply(self.cost_model.decisions)
+        cost_model = self.calibration.cost_model
+        if cost_model is not None and state.get("cost_model") is not None:
+            cost_model.load_state_dict(state["cost_model"])
+            self.plans = self.calibration.plans_for(cost_model.decisions)
