@@ -69,12 +69,13 @@ def load_class(path: str, flag: str) -> type:
         ) from error
     cls = getattr(module, class_name, None)
     if cls is None:
+        exported = getattr(module, "__all__", None)  # a module that re-exports says so
         found = sorted(
             name
             for name, value in vars(module).items()
             if isinstance(value, type)
-            and value.__module__ == module.__name__
             and not name.startswith("_")
+            and (name in exported if exported else value.__module__ == module.__name__)
         )
         raise ValueError(
             f"{flag} {path}: module {module_name!r} has no {class_name!r}"

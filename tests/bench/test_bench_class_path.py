@@ -74,6 +74,8 @@ def test_a_module_without_validation_data_is_trained_and_not_validated(tmp_path)
     [
         ("helpers.no_such_module.Net", f"{HELPERS}.TinyData", "cannot import module"),
         (f"{HELPERS}.Missing", f"{HELPERS}.TinyData", "has no 'Missing'; its classes: NotAModule"),
+        # a module that re-exports classes defined elsewhere lists what it exports
+        ("lightning_parallel.demo.models.VggMini", f"{HELPERS}.TinyData", "GPT, MLP, Recommender"),
         (f"{HELPERS}.NotAModule", f"{HELPERS}.TinyData", "is not a LightningModule"),
         (f"{HELPERS}.TinyClassifier", f"{HELPERS}.TinyClassifier", "is not a LightningDataModule"),
         (f"{HELPERS}.TinyClassifier:hiden=4", f"{HELPERS}.TinyData", "it takes hidden, lr"),
