@@ -37,15 +37,14 @@ from typing_extensions import override
 from lightning_parallel.comm.devices import all_reduce_
 from lightning_parallel.parameter_server.runtime import ParameterServerRuntime
 from lightning_parallel.parameter_server.survivors import LostWorkers
-from lightning_parallel.strategies.base import ParallelStrategyBase
-from lightning_parallel.strategies.worker_loss import rebuild_loaders_for, share_among
+from lightning_parallel.strategies.worker_loss import DividedData, rebuild_loaders_for
 
 __all__: list[str] = []
 
 _T = TypeVar("_T")
 
 
-class ParameterServerCollectives(ParallelStrategyBase):
+class ParameterServerCollectives(DividedData):
     """Lightning's collectives in and between asynchronous epochs (see the module docstring)."""
 
     #: this rank's share of the parameter server while fitting (else ``None``)
@@ -59,8 +58,6 @@ class ParameterServerCollectives(ParallelStrategyBase):
     #: inside an epoch's training, where the workers are not in step
     _asynchronous: bool = False
     _warned_sync_dist: bool = False
-    #: the ranks the data are divided among, once a loss changed them (else ``None``: all)
-    data_members: list[int] | None = None
 
     @property
     def survivors(self) -> list[int] | None:
@@ -75,14 +72,6 @@ class ParameterServerCollectives(ParallelStrategyBase):
         gives every rank the same list)."""
         if self.runtime is not None:
             self.lost_workers.adopt(self.runtime, count, self.world_size)
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        """Lightning's, or once a loss divided the data again, this rank's share among the
-        survivors (:meth:`divide_data_among_survivors`)."""
-        kwargs: dict[str, Any] = super().distributed_sampler_kwargs
-        return share_among(kwargs, self.data_members, self.global_rank)
 
     def divide_data_among_survivors(self, trainer: pl.Trainer) -> None:
         """At a training epoch's end, after the drain (every survivor knows the same losses

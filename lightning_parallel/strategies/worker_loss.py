@@ -95,18 +95,28 @@ def heartbeat_seconds(value: object, limit: float) -> float:
     return seconds
 
 
-def share_among(kwargs: dict[str, Any], members: list[int] | None, rank: int) -> dict[str, Any]:
-    """Lightning's distributed sampler arguments ``kwargs``, or, once a loss divided the data
-    again among ``members``, ``rank``'s share of them (a rank no longer among them keeps
-    ``kwargs``: it is leaving the run)."""
-    if members is None or rank not in members:
-        return kwargs
-    return {**kwargs, "num_replicas": len(members), "rank": members.index(rank)}
+class DividedData(ParallelStrategyBase):
+    """Lightning's distributed sampler over the ranks the data are divided among: all of them,
+    or once a loss divided the data again, the survivors (:attr:`data_members`)."""
+
+    #: the ranks the data are divided among, once a loss changed them (else ``None``: all)
+    data_members: list[int] | None = None
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Lightning's, or this rank's share among :attr:`data_members` (a rank no longer among
+        them keeps Lightning's: it is leaving the run)."""
+        kwargs: dict[str, Any] = super().distributed_sampler_kwargs
+        members, rank = self.data_members, self.global_rank
+        if members is None or rank not in members:
+            return kwargs
+        return {**kwargs, "num_replicas": len(members), "rank": members.index(rank)}
 
 
 def rebuild_loaders_for(trainer: pl.Trainer, members: list[int], rank: int) -> None:
     """Have Lightning rebuild the dataloaders every epoch from the next one on, so that its
-    sampler divides the data among ``members`` (:func:`share_among`); the first says so.
+    sampler divides the data among ``members`` (:class:`DividedData`); the first says so.
 
     The caller puts the user's ``reload_dataloaders_every_n_epochs`` back at teardown.
     """
@@ -127,13 +137,11 @@ def local_sigterm(trainer: pl.Trainer) -> None:
         raise SIGTERMException()
 
 
-class SurvivorCollectives(ParallelStrategyBase):
+class SurvivorCollectives(DividedData):
     """Lightning's collectives over the survivors once :meth:`start_survivors` ran (module doc)."""
 
     #: the agreed collectives while fitting with ``worker_loss="continue"`` (else ``None``)
     survivors: Survivors | None = None
-    #: the ranks the data are divided among, once a loss changed them (else ``None``: all)
-    data_members: list[int] | None = None
     _undo_survivors: list[Callable[[], None]]
 
     def start_survivors(
@@ -197,14 +205,6 @@ class SurvivorCollectives(ParallelStrategyBase):
     def strategy_callbacks(self, trainer: pl.Trainer) -> list[Callback]:
         # a no-op until start_survivors ran (worker_loss="continue" while fitting)
         return [*super().strategy_callbacks(trainer), _DivideAmongSurvivors(self)]
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        """Lightning's, or once a loss divided the data again, this rank's share among the
-        survivors (:meth:`divide_data_among_survivors`)."""
-        kwargs: dict[str, Any] = super().distributed_sampler_kwargs
-        return share_among(kwargs, self.data_members, self.global_rank)
 
     def divide_data_among_survivors(self, trainer: pl.Trainer) -> None:
         """At a training epoch's end (every rank): agree who is left, and if a rank was lost
