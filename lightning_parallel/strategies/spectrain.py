@@ -425,9 +425,9 @@ class SpecTrainStrategy(PipelineStrategyBase):
     @override
     def gradient_norm(self, optimizer: Any) -> tuple[float, list[nn.Parameter]]:
         """The runtime's estimate of the norm over all stages (exact on stage 0; see
-        :meth:`NoFlushPipeline._exchange_norms`), without a blocking collective: Lightning
-        broadcasts from rank 0 at every step, so a per-update allreduce across stages that are at
-        different updates would deadlock."""
+        :class:`~lightning_parallel.pipeline.noflush.norms.GlobalNormEstimate`), without a
+        blocking collective: Lightning broadcasts from rank 0 at every step, so a per-update
+        allreduce across stages that are at different updates would deadlock."""
         if self._noflush is None or not self._noflush.track_norms:
             raise RuntimeError(
                 "gradient clipping by norm was not announced to the pipeline; set "

@@ -15,6 +15,8 @@ Module by module:
 - ``stability``: :func:`staleness_learning_rate_scale`, the step a stale stage can take.
 - ``error``: :class:`PredictionErrorMeter`, how far the weights a forward used were off.
 - ``weights``: the ``Weights`` alias, byte counts and param-group lookup these modules share.
+- ``norms``: :class:`~.norms.GlobalNormEstimate`, each update's gradient norm over all stages
+  estimated without waiting (gradient clipping by norm).
 - ``mirror``: :class:`~.mirror.AsyncMirror`, the last stage's loss and logged values and every
   stage's telemetry carried to all ranks of a pipeline one step late, without blocking it.
 - ``options``: SpecTrain's options checked and normalized, and a stage's learning-rate factor.

@@ -27,11 +27,13 @@ How a pass runs on chosen weights:
    reference to the parameter slot, so the graph holds no weight copy and the optimizer's
    in-place updates of the live weights do not invalidate it;
 3. ``backward_weights(u)`` is loaded for the backward: the references resolve to those weights.
+
+With ``track_norms`` each update's gradient norm over all stages is estimated without waiting,
+for gradient clipping by norm (:class:`~.norms.GlobalNormEstimate`).
 """
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -44,15 +46,13 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_parallel.comm.devices import to_group
+from lightning_parallel.pipeline.noflush.norms import GlobalNormEstimate
 from lightning_parallel.pipeline.noflush.predictors import WeightPredictor
 from lightning_parallel.pipeline.stage_entry import stage_inputs
 from lightning_parallel.pipeline.timeline import Clock, TimelineEvent
 from lightning_parallel.pipeline.transport import StageTransport, stage_output_tensors
 
 __all__: list[str] = []
-
-_NORM_BACKWARD_TAG = 21  # squared gradient norm of stages k..N-1, to stage k-1
-_NORM_FORWARD_TAG = 22  # newest exact total squared norm, from stage 0 forward
 
 LossFunction = Callable[[Callable[..., Any], int], Tensor]
 """``loss_fn(forward, i)``: call ``forward(*model_inputs)`` once (the inputs are ignored on a
@@ -101,7 +101,7 @@ class NoFlushPipeline:
         parameters: the parameters this stage updates (default: the module's); add those used
             only by the loss on the last stage.
         track_norms: estimate the norm of each update's gradient over all stages, for gradient
-            clipping by norm (:attr:`global_norm`, see :meth:`_exchange_norms`).
+            clipping by norm (:attr:`global_norm`, see :class:`~.norms.GlobalNormEstimate`).
 
     Example::
 
@@ -168,10 +168,7 @@ class NoFlushPipeline:
         self._clock = Clock()
         self._accumulated: list[int] = []  # updates_at_forward of units whose gradient waits
         self.track_norms = track_norms
-        self.global_norm = math.nan  # estimate for the update being applied
-        self.norm_history: list[tuple[float, float]] = []  # (own squared, estimated squared)
-        self._suffix: dict[int, float] = {}  # update -> squared norm over stages k..N-1
-        self._newest_total: tuple[int, float] = (-1, 0.0)  # exact over all stages, from stage 0
+        self.norms = GlobalNormEstimate(stage, stages, transport)
         self.losses: list[Tensor] = []
         self._busy = 0.0
         self._waiting = 0.0
@@ -189,6 +186,18 @@ class NoFlushPipeline:
     def updates(self) -> int:
         """Optimizer updates applied at this stage so far."""
         return self.predictor.updates
+
+    @property
+    def global_norm(self) -> float:
+        """The estimated norm of the gradient of the update being applied, over all stages
+        (``track_norms``; nan before the first update)."""
+        return self.norms.global_norm
+
+    @property
+    def norm_history(self) -> list[tuple[float, float]]:
+        """Per update, this stage's squared gradient norm and the estimated squared norm over
+        all stages (``track_norms``)."""
+        return self.norms.history
 
     # ----------------------------------------------------------------------------- weights
     def _load(self, weights: list[Tensor] | None) -> list[Tensor] | None:
@@ -262,7 +271,7 @@ class NoFlushPipeline:
             start = time.perf_counter()
             activation, _ = self.transport.recv_activations()
             if self.track_norms:
-                self._receive_total()
+                self.norms.receive_total()
             self._event("wait", unit, start)
             received = list(activation) if isinstance(activation, tuple) else [activation]
             # one argument (a tuple where a cut carries several tensors), changeable in place
@@ -300,7 +309,7 @@ class NoFlushPipeline:
             assert self.transport is not None
             self.transport.send_activations(output)
             if self.track_norms:
-                self._send_total()
+                self.norms.send_total()
         self.in_flight[unit] = _InFlight(received, outputs, self.updates)
         self.forward_units.append(unit)
         self._event("F", unit, start)
@@ -350,7 +359,7 @@ class NoFlushPipeline:
                 g.copy_(flat[offset : offset + g.numel()].view_as(g))
                 offset += g.numel()
         if self.track_norms:
-            self._exchange_norms()
+            self.norms.exchange(self.updates, self.parameters)
         if self.before_update is not None:
             self.before_update(self.parameters)
         self.predictor.before_update()
@@ -358,62 +367,6 @@ class NoFlushPipeline:
         self.predictor.after_update()
         for p in self.parameters:
             p.grad = None
-
-    # ----------------------------------------------------------------------------- norms
-    def _exchange_norms(self) -> None:
-        """Estimate the norm of this update's gradient over all stages without waiting.
-
-        The exact global norm of update j is only known once stage 0 has back-propagated the
-        units of update j, after every other stage applied it. So:
-
-        1. stage k adds its own squared norm to the suffix received from stage k+1 (sent with
-           the update, exact) and sends the sum to stage k-1;
-        2. stage 0's suffix is the exact total; it travels forward with every activation;
-        3. stage k estimates the upstream part by that of the newest update v whose total it
-           knows: ``prefix ≈ total(v) - suffix_k(v)``. Exact on stage 0 and with one stage.
-
-        The norms are host values: they travel on the transport's bookkeeping group (gloo).
-        """
-        assert self.transport is not None or self.stages == 1
-        update = self.updates
-        own = float(
-            sum(float(p.grad.double().pow(2).sum()) for p in self.parameters if p.grad is not None)
-        )
-        downstream = 0.0
-        if not self.last:
-            assert self.transport is not None
-            (downstream,) = self.transport.recv_values(
-                1, self.transport.next_rank, _NORM_BACKWARD_TAG
-            )
-        suffix = own + downstream
-        if not self.first:
-            assert self.transport is not None
-            self.transport.send_values([suffix], self.transport.previous_rank, _NORM_BACKWARD_TAG)
-        self._suffix[update] = suffix
-        if self.first:
-            self._newest_total = (update, suffix)
-        newest, total = self._newest_total
-        prefix = max(total - self._suffix[newest], 0.0) if newest in self._suffix else 0.0
-        estimate = suffix + prefix
-        self.global_norm = math.sqrt(estimate)
-        self.norm_history.append((own, estimate))
-        for old in [key for key in self._suffix if key < newest]:
-            del self._suffix[old]
-
-    def _send_total(self) -> None:
-        assert self.transport is not None
-        newest, total = self._newest_total
-        self.transport.send_values(
-            [float(newest), total], self.transport.next_rank, _NORM_FORWARD_TAG
-        )
-
-    def _receive_total(self) -> None:
-        assert self.transport is not None
-        newest, total = self.transport.recv_values(
-            2, self.transport.previous_rank, _NORM_FORWARD_TAG
-        )
-        if int(newest) > self._newest_total[0]:
-            self._newest_total = (int(newest), float(total))
 
     # ----------------------------------------------------------------------------- driving
     def step(
