@@ -40,7 +40,7 @@ from typing_extensions import override
 from lightning_parallel.comm.ledger import process_ledger
 from lightning_parallel.comm.liveness import default_store
 from lightning_parallel.comm.survivors import Survivors, View
-from lightning_parallel.compat.private import replace_sigterm_broadcast
+from lightning_parallel.compat.private import attached_trainer, replace_sigterm_broadcast
 from lightning_parallel.strategies.arguments import optional_float
 from lightning_parallel.strategies.base import ParallelStrategyBase
 
@@ -142,6 +142,8 @@ class SurvivorCollectives(DividedData):
 
     #: the agreed collectives while fitting with ``worker_loss="continue"`` (else ``None``)
     survivors: Survivors | None = None
+    #: the ranks a fit of these processes lost, and why (a later run here is refused)
+    lost_in_fit: tuple[tuple[int, str], ...] = ()
     _undo_survivors: list[Callable[[], None]]
 
     def start_survivors(
@@ -183,6 +185,25 @@ class SurvivorCollectives(DividedData):
                 undo = functools.partial(setattr, metric, "dist_sync_fn", None)
                 self._undo_survivors.append(undo)
         return survivors
+
+    @override
+    def setup_environment(self) -> None:
+        """Refuse a run (``validate``, ``test``, ``predict``, another ``fit``) in processes
+        whose last fit lost a rank: the default process group still counts it, so the run's
+        first collective would fail, or wait for a frozen rank until the timeout."""
+        if self.lost_in_fit:
+            ranks = sorted(rank for rank, _ in self.lost_in_fit)
+            trainer = attached_trainer(self.lightning_module)
+            run = getattr(getattr(trainer, "state", None), "fn", None)
+            raise RuntimeError(
+                f"rank(s) {ranks} were lost during the last fit of these processes "
+                f"(worker_loss='continue'), and the process group still counts them: "
+                f"{'this run' if run is None else repr(str(run.value))} would fail or hang on "
+                "its first collective. Run it in a new job (a checkpoint written after the "
+                f"loss resumes on {self.world_size - len(ranks)} processes), or on one process "
+                "(Trainer(devices=1), loading the checkpoint)"
+            )
+        super().setup_environment()
 
     def _log_loss(self, what: str, view: View) -> None:
         rank, reason = view.lost[-1]
@@ -304,6 +325,8 @@ class SurvivorCollectives(DividedData):
 
     @override
     def teardown(self) -> None:
+        if self.survivors is not None and self.survivors.view.lost:
+            self.lost_in_fit = tuple(self.survivors.view.lost)
         while getattr(self, "_undo_survivors", None):
             self._undo_survivors.pop()()
         self.survivors = None

@@ -186,7 +186,7 @@ def test_the_survivors_go_on_without_a_lost_replica_and_say_so(
         trainer, model, messages = _fit(
             tmp_path, rank, world, strategy, [_Leave(2, when), checkpoints, seen]
         )
-        return (
+        result = (
             trainer.current_epoch,
             trainer.global_step,
             _vector(model),
@@ -196,6 +196,11 @@ def test_the_survivors_go_on_without_a_lost_replica_and_say_so(
             seen.validated,
             [m for m in messages if "the data are divided among" in m],
         )
+        # a later run in these processes is refused, naming the lost rank, before any
+        # collective over the default group (which still counts rank 2)
+        with pytest.raises(RuntimeError, match=r"rank\(s\) \[2\] were lost during the last fit"):
+            trainer.validate(model, verbose=False)
+        return result
 
     start_fork_server()  # its first start is not the run's time
     start = time.monotonic()
