@@ -1,9 +1,12 @@
 """One server shard as a pure state machine: requests in, replies out, no communication.
 
 :class:`ShardServer` owns a slice of the flat parameters and an optimizer over it (the user's
-optimizer class and hyperparameters). Threads and the network live in
-:class:`~lightning_parallel.parameter_server.host.ShardHost`; the deterministic simulator
-(:mod:`~lightning_parallel.parameter_server.simulation`) drives the same class without them.
+optimizer class and hyperparameters), both held by its
+:class:`~lightning_parallel.parameter_server.updates.ShardUpdater`, which applies each group of
+gradients; the server keeps the workers, the pending gradients, versions, grants and replies.
+Threads and the network live in :class:`~lightning_parallel.parameter_server.host.ShardHost`;
+the deterministic simulator (:mod:`~lightning_parallel.parameter_server.simulation`) drives the
+same class without them.
 
 Algorithm, for each request (Zhang et al. 2016; Ho et al. 2013; Zheng et al. 2017):
 
@@ -12,11 +15,11 @@ Algorithm, for each request (Zhang et al. 2016; Ho et al. 2013; Zheng et al. 201
 2. ``STEP`` with a gradient: the gradient joins the pending list with the version it was
    computed on. A ``STEP`` without one is a pull: the worker reads version v at once.
 3. While :meth:`UpdatePolicy.group_size` allows, the oldest pending gradients form one update
-   at version v: each gets staleness τ = v − read; gradients with τ above the drop bound are
-   discarded; the others are delay-compensated (DC-ASGD, g + λ·g⊙g⊙(w_v − w_read)) and
-   combined as ĝ = Σ f(τ_i)·g_i / Σ f(τ_i) with a learning rate η·mean f(τ_i), so that for
-   SGD every gradient moves the weights by −η·f(τ_i)·g_i/|group|. The optimizer steps and
-   the version becomes v + 1. Each worker of the group reads version v + 1 in its reply.
+   at version v (:mod:`~lightning_parallel.parameter_server.updates`): each gets staleness
+   τ = v − read; gradients with τ above the drop bound are discarded; the others are
+   delay-compensated (DC-ASGD) and combined as ĝ = Σ f(τ_i)·g_i / Σ f(τ_i) with a learning
+   rate η·mean f(τ_i). The optimizer steps and the version becomes v + 1. Each worker of the
+   group reads version v + 1 in its reply.
 4. ``DRAIN``: a worker's last step of the epoch is answered only when every live worker has
    drained and no gradient is pending, so that every rank leaves the epoch with the same
    weights, in step with Lightning's collectives.
@@ -53,6 +56,7 @@ from lightning_parallel.parameter_server.protocol import (
     RequestKind,
 )
 from lightning_parallel.parameter_server.telemetry import ServerStatistics
+from lightning_parallel.parameter_server.updates import PendingGradient, ShardUpdater
 
 __all__: list[str] = []
 
@@ -96,16 +100,6 @@ class _Worker:
     waiting_since: float = 0.0
 
 
-@dataclass
-class _Pending:
-    worker: int
-    read_version: int
-    gradient: Tensor
-    drain: bool
-    weights_read: Tensor | None = None  # the weights the gradient was computed on (DC-ASGD)
-    answered: bool = False  # its worker already got weights back (n-softsync, no waiting)
-
-
 class ShardServer:
     """A shard of the parameter server: weights, optimizer, versions and policy.
 
@@ -135,39 +129,25 @@ class ShardServer:
         before_update: Callable[[Optimizer], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if not parameters:
-            raise ValueError("a shard needs at least one parameter")
-        dtypes = {parameter.dtype for parameter in parameters}
-        if len(dtypes) != 1:
-            raise ValueError(
-                f"a shard's parameters must share one dtype, got {sorted(map(str, dtypes))}; "
-                "cast the model to one dtype"
-            )
         self.policy = policy
+        self.statistics = ServerStatistics()
+        #: the flat weights and the optimizer (it checks the parameters first), and step 3
+        self.updater = ShardUpdater(
+            parameters, make_optimizer, policy, self.statistics, before_update=before_update
+        )
+        # the updater's, never reassigned (updated in place)
+        self.weights, self.gradient = self.updater.weights, self.updater.gradient
+        self.parameters, self.optimizer = self.updater.parameters, self.updater.optimizer
         self.budget = budget
         self.version = 0
-        self.statistics = ServerStatistics()
         self.failure: tuple[int, str] | None = None
         self.failure_kind = FailureKind.UNKNOWN
         self.expendable = frozenset(int(rank) for rank in expendable)
         #: workers lost so far, in order, with the reason (step 5)
         self.lost: list[tuple[int, str]] = []
-        self._before_update = before_update
         self._clock = clock
-        with torch.no_grad():
-            self.weights = torch.cat([p.detach().reshape(-1).cpu() for p in parameters]).clone()
-        self.gradient = torch.zeros_like(self.weights)
-        self.parameters: list[Tensor] = []
-        offset = 0
-        for parameter in parameters:
-            numel = parameter.numel()
-            view = self.weights[offset : offset + numel].view(parameter.shape)
-            view.grad = self.gradient[offset : offset + numel].view(parameter.shape)
-            self.parameters.append(view)
-            offset += numel
-        self.optimizer = make_optimizer(self.parameters)
         self._workers = {int(rank): _Worker() for rank in workers}
-        self._pending: list[_Pending] = []
+        self._pending: list[PendingGradient] = []
         self._snapshot: Tensor | None = None
         self._buffers: dict[int, Tensor] = {}
 
@@ -222,7 +202,9 @@ class ShardServer:
             if request.gradient is None or request.gradient.numel() != self.weights.numel():
                 raise ValueError(f"worker rank {request.worker} sent a gradient of the wrong size")
             read_version, weights_read = self._computed_on(request)
-            pending = _Pending(request.worker, read_version, request.gradient, drain, weights_read)
+            pending = PendingGradient(
+                request.worker, read_version, request.gradient, drain, weights_read
+            )
             self._pending.append(pending)
             worker.status = WorkerStatus.DRAIN_PENDING if drain else WorkerStatus.WAITING
             worker.waiting_since = self._clock()
@@ -317,53 +299,15 @@ class ShardServer:
         replies.extend(self._finish_drain())
         return replies
 
-    def _apply(self, group: list[_Pending]) -> None:
-        kept: list[tuple[int, float, Tensor]] = []
-        for pending in group:
-            staleness = self.version - pending.read_version
+    def _apply(self, group: list[PendingGradient]) -> None:
+        fates, stepped = self.updater.apply(group, self.version)
+        for pending, (staleness, dropped) in zip(group, fates):
+            # for the worker's next reply (the last of its gradients in the group counts)
             worker = self._workers[pending.worker]
-            worker.staleness = staleness
-            self.statistics.record(pending.worker, staleness)
-            if not self.policy.keeps(staleness):
-                worker.dropped = True
-                self.statistics.dropped += 1
-                continue
-            worker.dropped = False
-            gradient = pending.gradient
-            if self.policy.delay_compensation and pending.weights_read is not None:
-                gradient = self.policy.compensate(gradient, self.weights, pending.weights_read)
-            kept.append((pending.worker, self.policy.factor(staleness), gradient))
-        self.statistics.record_group(len(group))
-        if not kept:
-            return
-        kept.sort(key=lambda item: item[0])  # a fixed summation order: reproducible sums
-        total = sum(factor for _, factor, _ in kept)
-        with torch.no_grad():
-            if len(kept) == 1:
-                self.gradient.copy_(kept[0][2])
-            else:
-                self.gradient.zero_()
-                for _, factor, gradient in kept:
-                    self.gradient.add_(gradient, alpha=factor)
-                self.gradient.div_(total)
-        self._step(total / len(kept) * self.policy.lr_scale)
-        self.version += 1
-        self._snapshot = None
-        self.statistics.applied += len(kept)
-        self.statistics.updates += 1
-
-    def _step(self, learning_rate_scale: float) -> None:
-        if self._before_update is not None:
-            self._before_update(self.optimizer)
-        saved = [group["lr"] for group in self.optimizer.param_groups]
-        if learning_rate_scale != 1.0:
-            for group in self.optimizer.param_groups:
-                group["lr"] = group["lr"] * learning_rate_scale
-        try:
-            self.optimizer.step()
-        finally:
-            for group, learning_rate in zip(self.optimizer.param_groups, saved):
-                group["lr"] = learning_rate
+            worker.staleness, worker.dropped = staleness, dropped
+        if stepped:
+            self.version += 1
+            self._snapshot = None
 
     def _finish_drain(self) -> list[Reply]:
         live = [worker for worker in self._workers.values() if worker.status in _LIVE]
