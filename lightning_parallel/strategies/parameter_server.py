@@ -33,9 +33,11 @@ and on one device. How a step goes:
    survivors. A lost rank 0 or shard host ends the run on every rank with an error naming it.
 
 The strategy is thin: the server, its client, the epoch budget and the survivors of a lost
-worker (:mod:`~lightning_parallel.parameter_server.survivors`) are plain torch; its base
+worker (:mod:`~lightning_parallel.parameter_server.survivors`) are plain torch; its bases
+:class:`~lightning_parallel.strategies.parameter_server_checkpoints.ParameterServerCheckpoints`
+(the shards' optimizer state and counters in checkpoints, saved and resumed) and
 :class:`~lightning_parallel.strategies.parameter_server_collectives.ParameterServerCollectives`
-routes Lightning's collectives (steps 4 and 5), and
+route Lightning's checkpoints and collectives (steps 4 and 5), and
 :mod:`~lightning_parallel.strategies.parameter_server_fit` holds the configurations a fit
 refuses and the epoch hooks that drain.
 
@@ -48,7 +50,7 @@ Example::
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -57,7 +59,6 @@ import torch
 import torch.distributed as dist
 from pytorch_lightning.callbacks import Callback
 from pytorch_lightning.trainer.states import RunningStage, TrainerFn
-from torch import Tensor
 from torch.optim import Optimizer
 from torchmetrics import Metric
 from typing_extensions import override
@@ -66,7 +67,6 @@ from lightning_parallel.comm.ledger import process_ledger
 from lightning_parallel.comm.modules import broadcast_module_states
 from lightning_parallel.compat import register_strategy
 from lightning_parallel.compat.private import replace_sigterm_broadcast
-from lightning_parallel.compat.types import StrPath
 from lightning_parallel.parameter_server.data import BudgetedLoader
 from lightning_parallel.parameter_server.faults import WorkerFailure
 from lightning_parallel.parameter_server.policies import UpdatePolicy
@@ -74,7 +74,7 @@ from lightning_parallel.parameter_server.protocol import parse_wire_dtype
 from lightning_parallel.parameter_server.runtime import ParameterServerRuntime, check_overlap
 from lightning_parallel.parameter_server.survivors import LostWorkers
 from lightning_parallel.strategies.arguments import as_bool, as_float, as_int
-from lightning_parallel.strategies.parameter_server_collectives import ParameterServerCollectives
+from lightning_parallel.strategies.parameter_server_checkpoints import ParameterServerCheckpoints
 from lightning_parallel.strategies.parameter_server_fit import ParameterServerHooks, check_fit
 from lightning_parallel.strategies.worker_loss import (
     heartbeat_seconds,
@@ -85,7 +85,7 @@ from lightning_parallel.strategies.worker_loss import (
 __all__: list[str] = []
 
 
-class ParameterServerStrategy(ParameterServerCollectives):
+class ParameterServerStrategy(ParameterServerCheckpoints):
     """Train asynchronously against a parameter server with staleness control.
 
     Args:
@@ -196,8 +196,6 @@ class ParameterServerStrategy(ParameterServerCollectives):
         self.skipped_batches = 0
         self._bytes_sent = 0.0
         self._warned_sync_dist = False
-        self._server_state: dict[str, Any] | None = None
-        self._resume_server_state: dict[str, Any] | None = None
         self._restore: list[Callable[[], None]] = []
         self._hooks = ParameterServerHooks(self.drain, self.divide_data_among_survivors)
         self._limit: int | float = 1.0
@@ -397,43 +395,6 @@ class ParameterServerStrategy(ParameterServerCollectives):
             self.sync_buffers()
             if self.runtime.client.run_over:
                 trainer.should_stop = True
-
-    # ------------------------------------------------------------------ checkpoints
-
-    @override
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Tensor]:
-        if self.runtime is None:
-            return super().optimizer_state(optimizer)
-        gathered = self.runtime.gather_state()  # every rank calls this while checkpointing
-        if gathered is None:
-            self._server_state = None
-            return super().optimizer_state(optimizer)
-        optimizer_state, self._server_state = gathered
-        return optimizer_state
-
-    @override
-    def save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: StrPath, storage_options: Any | None = None
-    ) -> None:
-        if self._server_state is not None and "optimizer_states" in checkpoint:
-            checkpoint["parameter_server"] = self._server_state
-        self._server_state = None
-        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-
-    @override
-    def load_checkpoint(
-        self, checkpoint_path: StrPath, *args: Any, **kwargs: Any
-    ) -> dict[str, Any]:
-        # passed on as given: Lightning 2.4's signature has no weights_only
-        checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
-        self._resume_server_state = checkpoint.get("parameter_server")
-        return checkpoint
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        super().load_optimizer_state_dict(checkpoint)
-        if self.runtime is not None:
-            self.runtime.load_state(checkpoint["optimizer_states"][0], self._resume_server_state)
 
     # ------------------------------------------------------------------ end
 
