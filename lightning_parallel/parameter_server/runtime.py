@@ -10,7 +10,8 @@ a collective call) from the rank's trained parameters and the user's optimizer:
 2. the flat layout of the parameters and the host of each shard: shard k on rank
    ``(server_rank + k) % world_size``;
 3. on a hosting rank, the :class:`ShardServer` (optimizer: the user's class, hyperparameters and
-   parameter groups, restricted to the shard) inside a :class:`ShardHost`;
+   parameter groups, restricted to the shard:
+   :mod:`~lightning_parallel.parameter_server.shard_optimizer`) inside a :class:`ShardHost`;
 4. the rank's :class:`ParameterClient`, its :class:`Heartbeat` and, on hosts, the
    :class:`Watchdog` over the other workers;
 5. the list of workers lost so far (:meth:`ParameterServerRuntime.lost_workers`), published by
@@ -22,7 +23,6 @@ Plain torch: the Lightning strategy and the tests drive it the same way.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -33,7 +33,6 @@ from torch.optim import Optimizer
 
 from lightning_parallel.comm.devices import side_group
 from lightning_parallel.comm.liveness import Watchdog
-from lightning_parallel.optimizers import rebuild_optimizer
 from lightning_parallel.parameter_server.budget import EpochBudget
 from lightning_parallel.parameter_server.client import ParameterClient
 from lightning_parallel.parameter_server.faults import Heartbeat, heartbeat_store
@@ -42,6 +41,13 @@ from lightning_parallel.parameter_server.layout import ShardLayout
 from lightning_parallel.parameter_server.policies import UpdatePolicy
 from lightning_parallel.parameter_server.protocol import FailureKind
 from lightning_parallel.parameter_server.server import ShardServer, WorkerStatus
+from lightning_parallel.parameter_server.shard_optimizer import (
+    HyperparameterMirror,
+    group_origins,
+    optimizer_factory,
+    trained_parameters,
+)
+from lightning_parallel.parameter_server.shard_optimizer import shard_optimizer as shard_optimizer
 from lightning_parallel.parameter_server.transfer import recv_state, send_state
 
 __all__: list[str] = []
@@ -61,60 +67,6 @@ def check_overlap(overlap: bool, policy: UpdatePolicy) -> None:
             "overlap=True computes every gradient on weights one exchange older, which the SSP "
             "bound cannot account for; drop max_staleness (unbounded) or set overlap=False"
         )
-
-
-def trained_parameters(optimizer: Optimizer) -> list[Tensor]:
-    """The parameters ``optimizer`` trains, in its order (the flat order of the server)."""
-    return [parameter for group in optimizer.param_groups for parameter in group["params"]]
-
-
-def shard_optimizer(template: Optimizer, first: int, parameters: list[Tensor]) -> Optimizer:
-    """``template``'s class, hyperparameters and groups over a shard's ``parameters``.
-
-    ``parameters`` stand for the template's parameters ``first``, ``first+1``, ... in flat order.
-    """
-    groups: list[dict[str, Any]] = []
-    index = 0
-    for group in template.param_groups:
-        size = len(group["params"])
-        lo, hi = max(first, index), min(first + len(parameters), index + size)
-        if lo < hi:
-            settings = {key: value for key, value in group.items() if key != "params"}
-            groups.append({**settings, "params": parameters[lo - first : hi - first]})
-        index += size
-    return rebuild_optimizer(template, groups)
-
-
-def _optimizer_factory(template: Optimizer, first: int) -> Callable[[list[Tensor]], Optimizer]:
-    def make(parameters: list[Tensor]) -> Optimizer:
-        return shard_optimizer(template, first, parameters)
-
-    return make
-
-
-def _group_origins(template: Optimizer, first: int, count: int) -> list[int]:
-    """For each group of :func:`shard_optimizer`'s result, its index in the template."""
-    origins, index = [], 0
-    for position, group in enumerate(template.param_groups):
-        size = len(group["params"])
-        if max(first, index) < min(first + count, index + size):
-            origins.append(position)
-        index += size
-    return origins
-
-
-class _HyperparameterMirror:
-    """Copy the template's current hyperparameters (learning rate, ...) onto a shard's groups."""
-
-    def __init__(self, template: Optimizer, origins: list[int]) -> None:
-        self.template = template
-        self.origins = origins
-
-    def __call__(self, optimizer: Optimizer) -> None:
-        for group, origin in zip(optimizer.param_groups, self.origins):
-            for key, value in self.template.param_groups[origin].items():
-                if key != "params":
-                    group[key] = value
 
 
 class ParameterServerRuntime:
@@ -205,15 +157,15 @@ class ParameterServerRuntime:
             first, stop = self.layout.bounds[shard]
             server = ShardServer(
                 parameters[first:stop],
-                _optimizer_factory(optimizer, first),
+                optimizer_factory(optimizer, first),
                 policy,
                 workers,
                 expendable=expendable,
                 budget=EpochBudget(run_batches, share=policy.max_staleness != 0)
                 if shard == 0
                 else None,
-                before_update=_HyperparameterMirror(
-                    optimizer, _group_origins(optimizer, first, stop - first)
+                before_update=HyperparameterMirror(
+                    optimizer, group_origins(optimizer, first, stop - first)
                 ),
             )
             server.statistics.keep_trace = keep_trace
@@ -396,7 +348,7 @@ class ParameterServerRuntime:
             state: dict[str, Any] = {"version": server.version}
             if optimizer_state is not None:
                 own = server.optimizer.state_dict()
-                origins = _group_origins(self.optimizer, first, stop - first)
+                origins = group_origins(self.optimizer, first, stop - first)
                 for group, origin in zip(own["param_groups"], origins):
                     saved = optimizer_state["param_groups"][origin]
                     group.update({k: v for k, v in saved.items() if k != "params"})
