@@ -143,8 +143,8 @@ class ModelAveragingStrategy(AveragingCheckpoints):
             (:class:`~lightning_parallel.averaging.plateau.PlateauExit`), every replica takes
             the mean model and optimizer state, the next ``S`` steps average gradients as DDP
             does, and the algorithm restarts afterwards from there (outer or block momentum
-            from zero). Costs ``S`` DDP steps' bytes; on ``vgg_mini`` it did not prevent the
-            spike that ``rollback_on_spike`` answers (docs/model_averaging.md, "Defaults").
+            from zero). Costs ``S`` DDP steps' bytes (measured: docs/model_averaging.md,
+            "Defaults").
         plateau_drop: the smoothed loss's relative fall below the plateau's level that ends
             it (default 0.05; larger: later).
         rollback_on_spike: after a local step whose loss, averaged over the ranks, exceeds
@@ -153,25 +153,20 @@ class ModelAveragingStrategy(AveragingCheckpoints):
             loss has climbed back ``spike_regression`` of the way from its lowest to where
             training started for 3 steps in a row, restart every replica from the last point
             they agreed on while the loss was settled, with the optimizers' state cleared and
-            the algorithm restarted there (default ``True``;
-            ``False``: the behaviour before roll-backs). Why: where the loss leaves a plateau
-            training sits on the edge of stability, and one replica's spike (loss 1.6 to 7.0 on
-            ``vgg_mini``, seed 3) can leave the average on a dead, constant-output model for
-            the rest of the run. One scalar per step, no other communication, one copy of the
-            model kept; EASGD (whose replicas never agree) ignores it.
+            the algorithm restarted there (default ``True``). One scalar per step, no other
+            communication, one copy of the model kept; EASGD (whose replicas never agree)
+            ignores it. Why and measured: docs/model_averaging.md, "Loss spikes roll back".
         replace_collapsed: a replica whose own smoothed loss falls back to where training
             started (within 7.5%) for 3 local steps, after it had left it, while another
             replica's is still 15% below, takes the healthy replicas' mean model and optimizer
             state (:class:`~lightning_parallel.averaging.collapse.ReplicaCollapse`; default
             ``True``). Costs one scalar a replica each local step and one model exchange a
-            replacement. Why: the mean loss hides one dead replica, and the next round averages
-            it with the healthy ones (``diloco`` on ``vgg_mini``, seed 4: both back at a loss
-            of 2.26, 25 steps lost).
+            replacement: the mean loss hides one dead replica, which the next round would
+            average in (docs/model_averaging.md, "One dead replica is replaced").
         spike_ratio: the spike rule's ratio (default 2.0; larger: fewer roll-backs).
         spike_regression: the share of the way back to the starting loss that counts as a
             regression (default 1.0, back at the start; smaller: more roll-backs; ``None``:
-            spikes only, the former rule). A fall back to ``ln 10`` over a few steps, none
-            of them a spike, killed ``bmuf`` seed 2 and ``diloco`` seed 3 on ``vgg_mini``.
+            spikes only; docs/model_averaging.md, "Slow deaths").
         buffers: ``"average"`` (default; BatchNorm statistics averaged with the parameters) or
             ``"local"`` (each replica keeps its own; checkpoints hold rank 0's).
         optimizer_state: ``"keep"`` (default; each replica keeps its momentum or moments),
