@@ -382,12 +382,13 @@ def test_the_others_go_on_without_a_killed_worker_and_say_so(tmp_path, when):
     everything = set(_Measured(samples=512)._data(1).tensors[0][:, 0].tolist())
     trained = [results[rank][5][2] for rank in (0, 1)]
     # the last epoch's budget is the survivors' shares, all 512 samples (2 x 22 batches of a
-    # third each before; a batch whose grant a faster worker took is recorded, not trained),
-    # and they drew from every one (not exactly each once: a fast worker past its share
-    # reshuffles, a slow one stops early)
+    # third each before, 352 samples; a batch whose grant a faster worker took is recorded,
+    # not trained), and they drew from more samples than the old budget held (not from each
+    # exactly once: a fast worker past its share reshuffles, a slow one stops early; even
+    # one worker taking the whole budget draws about 384 different samples)
     assert len(trained[0]) + len(trained[1]) >= 512
     last = set(trained[0]) | set(trained[1])
-    assert last <= everything and len(last) > 0.9 * len(everything)
+    assert last <= everything and len(last) > 2 * 22 * 8
     validation = set(_Measured(samples=512)._data(2).tensors[0][:, 0].tolist())
     mine, yours = set(results[0][6]), set(results[1][6])
     assert mine | yours == validation and not mine & yours
