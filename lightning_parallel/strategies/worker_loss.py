@@ -13,7 +13,13 @@ Nothing of the data is lost with a rank: at the end of every training epoch the 
 on who is left (one barrier), and after a loss Lightning's distributed sampler divides the data
 among them from the next epoch on (``distributed_sampler_kwargs``; the dataloaders are rebuilt
 every epoch from then, ``Trainer.reload_dataloaders_every_n_epochs = 1``, the user's value
-coming back at teardown). A dataloader that brings its own sampler keeps it.
+coming back at teardown). A dataloader that brings its own sampler keeps it. The parameter
+server's collectives divide the data the same way (:class:`DividedData`,
+:func:`rebuild_loaders_for`).
+
+After a fit that lost a rank, a later run in the same processes (``validate``, ``test``,
+``predict``, another ``fit``) is refused at its start, naming the lost rank: the default process
+group still counts it, so that run's first collective would fail, or wait for a frozen rank.
 
 The argument rules every strategy with a ``worker_loss`` shares live here too
 (:func:`resolve_worker_loss`, :func:`heartbeat_seconds`).
