@@ -89,3 +89,12 @@ class HyperparameterMirror:
             for key, value in self.template.param_groups[origin].items():
                 if key != "params":
                     group[key] = value
+
+
+def mark_stepped(optimizer: Optimizer) -> None:
+    """Tell torch's learning-rate schedulers that ``optimizer`` stepped: the server stepped in
+    its place (with the rate :class:`HyperparameterMirror` copies). Without it every scheduler's
+    first ``step()`` warns that it came before ``optimizer.step()``, though the schedule is
+    right: torch reads the flag ``optimizer._opt_called``, which its schedulers' wrapper around
+    ``optimizer.step`` sets."""
+    optimizer._opt_called = True  # type: ignore[attr-defined]

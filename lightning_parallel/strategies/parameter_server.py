@@ -72,6 +72,7 @@ from lightning_parallel.parameter_server.faults import WorkerFailure
 from lightning_parallel.parameter_server.policies import UpdatePolicy
 from lightning_parallel.parameter_server.protocol import parse_wire_dtype
 from lightning_parallel.parameter_server.runtime import ParameterServerRuntime, check_overlap
+from lightning_parallel.parameter_server.shard_optimizer import mark_stepped
 from lightning_parallel.parameter_server.survivors import LostWorkers
 from lightning_parallel.strategies.arguments import as_bool, as_float, as_int
 from lightning_parallel.strategies.parameter_server_checkpoints import ParameterServerCheckpoints
@@ -347,6 +348,7 @@ class ParameterServerStrategy(ParameterServerCheckpoints):
             drain = bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
             self.set_activity("push of the gradient to the server, pull of its weights")
             runtime.client.step(has_gradient, drain=drain)
+            mark_stepped(optimizer)  # for torch's schedulers: the server stepped in its place
             self._after_exchange(trainer, drained=drain)
             return loss
 

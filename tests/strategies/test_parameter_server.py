@@ -404,6 +404,25 @@ def test_the_others_go_on_without_a_killed_worker_and_say_so(tmp_path, when):
     assert torch.equal(_vector(restored), results[0][2])
 
 
+@pytest.mark.filterwarnings("error:Detected call of `lr_scheduler.step\\(\\)`:UserWarning")
+def test_a_scheduler_follows_the_server_steps_without_torch_s_order_warning():
+    """The server steps in place of the user's optimizer; torch's scheduler must still see a
+    step before its own: the forked ranks inherit the filter that turns the warning
+    "lr_scheduler.step() before optimizer.step()" into an error, which fails the fit."""
+
+    class Scheduled(_Tiny):
+        def configure_optimizers(self):
+            optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+            scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+            return [optimizer], [scheduler]
+
+    model = Scheduled()
+    before = _vector(model).clone()
+    trainer = _trainer(ParameterServerStrategy(start_method="fork"), epochs=2)
+    trainer.fit(model)  # raises if a rank warned
+    assert not torch.equal(_vector(model), before)  # the trained weights came back
+
+
 def test_one_process_trains_like_plain_sgd():
     """One worker and its in-process server: every gradient is fresh, so it is plain SGD.
 
