@@ -385,7 +385,7 @@ def test_the_others_go_on_without_a_killed_worker_and_say_so(tmp_path, when):
     # third each before, 352 samples; a batch whose grant a faster worker took is recorded,
     # not trained), and they drew from more samples than the old budget held (not from each
     # exactly once: a fast worker past its share reshuffles, a slow one stops early; even
-    # one worker taking the whole budget draws about 384 different samples)
+    # one worker taking the whole budget would draw about 384 different ones in expectation)
     assert len(trained[0]) + len(trained[1]) >= 512
     last = set(trained[0]) | set(trained[1])
     assert last <= everything and len(last) > 2 * 22 * 8
