@@ -1,6 +1,7 @@
 """Single-process tests of the parameter server's pieces: policies, shard server, budget, layout."""
 
 import math
+import weakref
 
 import pytest
 import torch
@@ -447,3 +448,27 @@ def test_gradient_of_the_read_before_last_is_compensated_against_those_weights()
     torch.testing.assert_close(reply.weights, torch.full((1,), -2.6))
     with pytest.raises(ValueError, match="version 7"):
         _push(server, 0, 7, torch.ones(1))
+
+
+def test_a_reply_s_weights_stay_as_read_while_held_and_released_snapshots_are_reused():
+    # the server reuses snapshot buffers (a fresh vector costs its page faults every version):
+    # one held by a reply must never be overwritten, one released must be reused
+    lr = 0.5
+    w0 = torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64)
+    server = _server(UpdatePolicy(), w0.clone(), lr=lr)
+    _begin(server, 0)
+    _begin(server, 1)
+    (held,) = _push(server, 0, 0, torch.ones(3, dtype=torch.float64))
+    as_read = held.weights.clone()
+    torch.testing.assert_close(as_read, w0 - lr)
+    (second,) = _push(server, 1, 0, torch.ones(3, dtype=torch.float64))
+    (third,) = _push(server, 0, 1, torch.ones(3, dtype=torch.float64))
+    assert held.weights.data_ptr() not in (second.weights.data_ptr(), third.weights.data_ptr())
+    torch.testing.assert_close(held.weights, as_read, rtol=0, atol=0)
+    torch.testing.assert_close(third.weights, w0 - 3 * lr)
+    released = weakref.ref(second.weights)
+    del second
+    (fourth,) = _push(server, 1, 2, torch.ones(3, dtype=torch.float64))
+    assert fourth.weights is released()  # the same buffer, not a new one
+    torch.testing.assert_close(fourth.weights, w0 - 4 * lr)
+    torch.testing.assert_close(held.weights, as_read, rtol=0, atol=0)
