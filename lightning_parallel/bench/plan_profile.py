@@ -96,7 +96,11 @@ def profile_module(
 
     from lightning_parallel.compat.namespaces import PYTORCH_LIGHTNING, of_object
     from lightning_parallel.plan.codecs import codec_timings
-    from lightning_parallel.plan.measure import pipeline_layers, profile_step
+    from lightning_parallel.plan.measure import (
+        parameter_server_exchange_seconds,
+        pipeline_layers,
+        profile_step,
+    )
 
     if accelerator not in ("cpu", "cuda"):
         raise ValueError(f"accelerator must be 'cpu' or 'cuda', got {accelerator!r}")
@@ -134,6 +138,7 @@ def profile_module(
     # the trained model profiles as the untrained one would: the same work per step
     optimizer = _first_optimizer(model.configure_optimizers())
     profile = profile_step(model, batch, optimizer, repeats=4, warmup=1)
+    hooks = {**hooks, "parameter_server": parameter_server_exchange_seconds(optimizer)}
     # the chain's layers at every micro-batch size asked for (the whole batch too: DDP's
     # gradients become ready layer by layer)
     layers, error = pipeline_layers(model, batch, sorted({1, *micro_batches}), repeats=2)

@@ -256,3 +256,39 @@ def _to_chain_time(costs: Sequence[LayerCost], chain: float) -> tuple[LayerCost,
         )
         for cost in costs
     )
+
+
+def parameter_server_exchange_seconds(optimizer: torch.optim.Optimizer, repeats: int = 4) -> float:
+    """One exchange of the worker beside the parameter server's shard, in-process: its
+    gradients flattened, applied by the real shard
+    (:class:`~lightning_parallel.parameter_server.server.ShardServer`, the optimizer's class
+    and hyperparameters), the version's snapshot, the weights copied back; the median of
+    ``repeats`` after one untimed. On copies of the optimizer's parameters (the module is not
+    changed; on the CPU, where the shards are, whatever the module's device)."""
+    from lightning_parallel.parameter_server.layout import copy_flat_to, flatten_gradients
+    from lightning_parallel.parameter_server.policies import UpdatePolicy
+    from lightning_parallel.parameter_server.protocol import Request, RequestFlag, RequestKind
+    from lightning_parallel.parameter_server.server import ShardServer
+    from lightning_parallel.parameter_server.shard_optimizer import (
+        optimizer_factory,
+        trained_parameters,
+    )
+
+    parameters = [p.detach().to("cpu", copy=True) for p in trained_parameters(optimizer)]
+    server = ShardServer(parameters, optimizer_factory(optimizer, 0), UpdatePolicy(), [0])
+    (reply,) = server.handle(Request(RequestKind.BEGIN, 0))
+    for parameter in parameters:
+        parameter.grad = torch.full_like(parameter, 1e-6)
+    flat = torch.zeros(sum(p.numel() for p in parameters), dtype=parameters[0].dtype)
+    seconds: list[float] = []
+    for index in range(repeats + 1):
+        start = clock()
+        flatten_gradients(flat, parameters)
+        request = Request(
+            RequestKind.STEP, 0, reply.version, RequestFlag.HAS_GRADIENT, gradient=flat
+        )
+        (reply,) = server.handle(request)
+        copy_flat_to(reply.weights, parameters)
+        if index:
+            seconds.append(clock() - start)
+    return _median_seconds(seconds)

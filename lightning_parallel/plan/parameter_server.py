@@ -1,7 +1,11 @@
 """Predict ``parameter_server``: asynchronous workers and one server shard (the default).
 
 The shard runs on rank 0's host, in a thread of rank 0's process, and applies every worker's
-gradient with the user's optimizer (``optimizer_s`` of the profile a gradient). Per step:
+gradient with the user's optimizer. An exchange's work (``apply_s``) is what the profile
+measured of one in-process exchange with the real shard
+(:func:`~lightning_parallel.plan.measure.parameter_server_exchange_seconds`: the gradients
+flattened, applied, the version's snapshot, the weights copied back), else the optimizer's
+step alone. Per step:
 
 - the worker on the server's host hands its request over in-process: its step is the local
   step plus the shard's work for its own gradient, and the shard's work for the other workers'
@@ -17,7 +21,12 @@ on the server's host). A straggler (``straggler_factor``) slows only its own ste
 The workers do not wait for each other, so each runs at its own rate: steps of rank ``r`` are
 a share ``rate_r / Σ rate`` of all steps, and the bench's median is taken over that mix. The
 bench counts bytes per step of rank 0 and averages its hosts: all hosts together send the
-remote workers' pushes and the server's pulls, ``2P`` for each remote step.
+remote workers' pushes and the server's replies, ``P`` each. In the steady state that is
+``2P`` for each remote step; for a run of a given length the counts come from the run
+simulated exchange by exchange (:mod:`~lightning_parallel.plan.parameter_server_run`): a
+remote exchange on a slow link can outlast the fast worker's whole run, and the end of each
+epoch adds replies (measured: 20 steps of ``vgg_mini`` at 100 Mbit/s, 2 gradients and 3
+replies, where the rates alone gave 1.2 of each).
 """
 
 from __future__ import annotations
@@ -29,7 +38,8 @@ from lightning_parallel.plan.memory import (
     model_state_bytes,
     peak_rss_mb,
 )
-from lightning_parallel.plan.network import Cluster, send
+from lightning_parallel.plan.network import Cluster, Transfer, send
+from lightning_parallel.plan.parameter_server_run import RunCounts, WorkerTimes, simulate_run
 from lightning_parallel.plan.prediction import (
     STEADY,
     Prediction,
@@ -58,7 +68,8 @@ def predict_parameter_server(
     remote = cluster.world - near
     push = send(cluster, profile.parameter_bytes)
     pull = send(cluster, profile.parameter_bytes)
-    apply_s = profile.optimizer_s
+    exchange = profile.hook_s("parameter_server")
+    apply_s = profile.optimizer_s if exchange is None else exchange
     local = profile.step_s - profile.optimizer_s  # the worker's own optimizer does not run
     # a remote worker: its step, the two transfers, the shard's work on its gradient; the
     # server's uplink carries every remote worker's pull: at most one pull at a time
@@ -88,13 +99,19 @@ def predict_parameter_server(
     steps = [(seconds, rate / total) for seconds, rate in shares if rate > 0]
     # the bench counts bytes per step of rank 0 (the server's worker)
     remote_rate = total - rate_server - (near - 1) / (local + apply_s)
-    per_rank0_step = remote_rate / rate_server
+    pushes = replies = remote_rate / rate_server
+    if run.steps:
+        counts = _run_counts(
+            run, near, remote, stragglers, server_step, local, apply_s, straggler,
+            push, pull, remote_step, slow_step, cluster,
+        )  # fmt: skip
+        rank0 = max(1, counts.steps[0])
+        pushes = sum(counts.pushes[near:]) / rank0
+        replies = sum(counts.replies[near:]) / rank0
     hosts = cluster.hosts
-    server_wire = pull.wire_bytes * per_rank0_step
-    others_wire = push.wire_bytes * per_rank0_step
-    wire = (server_wire + others_wire) / hosts if hosts > 1 else 0.0
+    wire = (pull.wire_bytes * replies + push.wire_bytes * pushes) / hosts if hosts > 1 else 0.0
     payload = (
-        (pull.payload_bytes + push.payload_bytes) * per_rank0_step / hosts if hosts > 1 else 0.0
+        (pull.payload_bytes * replies + push.payload_bytes * pushes) / hosts if hosts > 1 else 0.0
     )
     mean = mean_of_steps(steps)
     extra = EXTRA_PARAMETER_COPIES["parameter_server"] * profile.parameter_bytes
@@ -115,6 +132,45 @@ def predict_parameter_server(
             "remote_worker_step_s": remote_step,
             "straggler_step_s": slow_step if stragglers else None,
             "state_bytes": model_state_bytes(profile),
+            "remote_pushes_per_step": pushes,
+            "remote_replies_per_step": replies,
             **({"note": note} if note else {}),
         },
     )
+
+
+def _run_counts(
+    run: RunLength,
+    near: int,
+    remote: int,
+    stragglers: int,
+    server_step: float,
+    local: float,
+    apply_s: float,
+    straggler: float,
+    push: Transfer,
+    pull: Transfer,
+    remote_step: float,
+    slow_step: float,
+    cluster: Cluster,
+) -> RunCounts:
+    """The run of ``run.steps`` steps per rank, exchange by exchange
+    (:mod:`~lightning_parallel.plan.parameter_server_run`): the server's host's workers answered
+    in-process, the remote ones over the link, each remote step as long as the steady law says."""
+    latency = cluster.inter.latency
+    workers = [WorkerTimes(server_step)] + [WorkerTimes(local + apply_s)] * (near - 1)
+    for index in range(remote):
+        slow = index < stragglers
+        compute = local * (straggler if slow else 1.0)
+        whole = slow_step if slow else remote_step
+        workers.append(
+            WorkerTimes(
+                compute_s=compute,
+                push_s=push.seconds,
+                reply_s=max(apply_s + pull.seconds, whole - compute - push.seconds),
+                ask_s=latency,
+                fetch_s=pull.seconds,
+            )
+        )
+    assert run.steps is not None
+    return simulate_run(workers, run.epoch_steps, run.steps * cluster.world)

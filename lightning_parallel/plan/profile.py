@@ -101,8 +101,10 @@ class StepProfile:
 
     def hook_s(self, name: str) -> float | None:
         """What the communication hook ``name`` measured adding to a step
-        (:func:`~lightning_parallel.plan.codecs.comm_hook_seconds`), at the profile's compute
-        scale; ``None`` where not measured."""
+        (:func:`~lightning_parallel.plan.codecs.comm_hook_seconds`), or ``"parameter_server"``:
+        one in-process exchange with the shard
+        (:func:`~lightning_parallel.plan.measure.parameter_server_exchange_seconds`), at the
+        profile's compute scale; ``None`` where not measured."""
         seconds = self.hook_seconds.get(name)
         return None if seconds is None else seconds * self.compute_scale
 
