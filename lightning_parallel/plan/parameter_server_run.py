@@ -103,9 +103,8 @@ _Protocol = Generator[_Request, _Reply, None]
 class _Worker:
     """The client's side of the protocol for one worker (module docstring, steps 1-5)."""
 
-    def __init__(self, index: int, times: WorkerTimes, epoch_batches: int, lookahead: int) -> None:
-        self.index, self.times = index, times
-        self.epoch_batches, self.lookahead = epoch_batches, lookahead
+    def __init__(self, index: int, times: WorkerTimes, lookahead: int) -> None:
+        self.index, self.times, self.lookahead = index, times, lookahead
         self.now = 0.0
         self.allowance = self.reserved = 0
         self.epoch_over = self.run_over = False
@@ -121,10 +120,12 @@ class _Worker:
         self.run_over |= ReplyFlag.RUN_OVER in reply.flags
         return reply
 
-    def _ask(self, kind: str, **fields: object) -> _Request:
-        setup = bool(fields.pop("setup", False))
-        travel = 0.0 if setup else self.times.ask_s
-        return _Request(self.now + travel, self.index, kind, setup=setup, **fields)  # type: ignore[arg-type]
+    def _ask(
+        self, kind: str, want: int = 0, held: int = 0, drain: bool = False, setup: bool = False
+    ) -> _Request:
+        """A request without a gradient (``setup``: before training starts, in no time)."""
+        arrives = self.now + (0.0 if setup else self.times.ask_s)
+        return _Request(arrives, self.index, kind, want, held, drain=drain, setup=setup)
 
     def _reserve(self) -> Generator[_Request, _Reply, bool]:
         if self.allowance - self.reserved <= 0 and not self.epoch_over:
@@ -191,7 +192,7 @@ def simulate_run(
     run_limit = run_batches if run_batches is not None else per_epoch * len(workers)
     clock = [0.0]
     budget = EpochBudget(run_limit, clock=lambda: clock[0])
-    states = [_Worker(i, t, per_epoch, lookahead) for i, t in enumerate(workers)]
+    states = [_Worker(i, t, lookahead) for i, t in enumerate(workers)]
     protocols = [state.run() for state in states]
     queue: list[_Request] = [next(protocol) for protocol in protocols]
     heapq.heapify(queue)
