@@ -10,6 +10,7 @@ accuracy).
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -90,21 +91,37 @@ class RunLength:
     Attributes:
         steps: training steps of the run.
         epoch_steps: training steps of one epoch on one rank (``None``: not known).
+        train_samples: samples of the training set (``None``: not known).
+        validation_samples: samples of the validation set (``None``: not known).
+        drop_last: the training loader drops an incomplete last batch.
     """
 
     steps: int | None = None
     epoch_steps: int | None = None
+    train_samples: int | None = None
+    validation_samples: int | None = None
+    drop_last: bool = False
 
     def per_step(self, once: float) -> float:
         """``once`` (a one-off amount) per step of the run; 0 for the steady state."""
         return once / self.steps if self.steps else 0.0
 
-    @property
-    def validations(self) -> int:
-        """Validations during the run (one at each epoch's end)."""
-        if not self.steps or not self.epoch_steps:
+    def validation_batches(self, replicas: int, batch_size: int) -> int:
+        """Batches of one replica's validation (a distributed sampler pads to equal shares)."""
+        if not self.validation_samples:
             return 0
-        return self.steps // self.epoch_steps
+        return math.ceil(math.ceil(self.validation_samples / replicas) / batch_size)
+
+    def validations_over(self, replicas: int, batch_size: int) -> int:
+        """Validations inside the run where the training set is split over ``replicas`` (a
+        pipeline's stages count as one): one at each epoch's end, the run's last step
+        included (Lightning validates there before ``fit`` ends; a run stopped by
+        ``max_steps`` inside an epoch does not validate)."""
+        if not self.steps or not self.train_samples:
+            return 0
+        share = math.ceil(self.train_samples / replicas)
+        epoch = share // batch_size if self.drop_last else math.ceil(share / batch_size)
+        return self.steps // epoch if epoch > 0 else 0
 
 
 STEADY = RunLength()

@@ -242,3 +242,22 @@ def test_the_pipelines_exchange_a_tied_tensor_between_its_stages() -> None:
         reduce.wire_bytes + cast.wire_bytes / 2
     )
     assert spectrain[1].step_s == pytest.approx(spectrain[0].step_s)  # nothing waits for it
+
+
+def test_the_pipelines_count_the_validations_inside_the_run() -> None:
+    """A validation at an epoch's end sends every validation batch's micro-batches forward over
+    the cut, nothing back; both stages validate the pipeline's one share of the set."""
+    profile, cluster = _profile(), _cluster()
+    bare = RunLength(steps=60)
+    # one pipeline: epochs of 1438 // 32 = 44 steps, so one validation in 60 steps (of 12
+    # batches: 359 samples)
+    run = RunLength(steps=60, train_samples=1438, validation_samples=359, drop_last=True)
+    assert run.validations_over(1, 32) == 1 and run.validation_batches(1, 32) == 12
+    assert RunLength(steps=88, train_samples=1438, drop_last=True).validations_over(1, 32) == 2
+    for spec, micro in (("gropipe", 4), ("spectrain", 1)):
+        (without,) = predict(profile, cluster, [(spec, spec, {})], bare)
+        (counted,) = predict(profile, cluster, [(spec, spec, {})], run)
+        (cut,) = counted.detail["cut_bytes"]
+        expected = 12 * micro * send(cluster, cut).wire_bytes / 60 / cluster.hosts
+        assert counted.wire_bytes_per_step - without.wire_bytes_per_step == pytest.approx(expected)
+        assert counted.step_s == without.step_s
