@@ -11,9 +11,10 @@ bench runs them; :mod:`lightning_parallel.bench.plan_profile`):
 
 1. the model and data are built as the bench builds them (bundled names or class paths with
    init arguments, :mod:`lightning_parallel.bench.modules`);
-2. a real ``fit`` of ``--profile-steps`` steps runs under ``ddp`` on this one process, timed
-   step by step as the bench times a step (its probe): the trainer's own time per step and
-   the process's peak memory come from it;
+2. a real ``fit`` of at least ``--profile-steps`` steps, and on until its timed steps add up
+   to ``--profile-seconds``, runs under ``ddp`` on this one process, timed step by step as the
+   bench times a step (its probe): the trainer's own time per step and the process's peak
+   memory come from it;
 3. the plain-torch profile (:func:`lightning_parallel.plan.measure.profile_step`) times the
    forward, backward and optimizer step of ``training_step`` on one batch, and, where a
    pipeline is asked for, the per-layer costs of the chain it would split
@@ -34,6 +35,8 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
+
+from lightning_parallel.bench.plan_profile import PROFILE_SECONDS
 
 __all__: list[str] = []
 
@@ -94,7 +97,15 @@ def _parser() -> argparse.ArgumentParser:
         default=0.4,
         help="share of --accelerator-tflops the model reaches (default 0.4)",
     )
-    parser.add_argument("--profile-steps", type=int, default=8, help="steps of the profile's fit")
+    parser.add_argument(
+        "--profile-steps", type=int, default=8, help="the least steps of the profile's fit"
+    )
+    parser.add_argument(
+        "--profile-seconds",
+        type=float,
+        default=PROFILE_SECONDS,
+        help="the profile's fit runs until its timed steps add up to this (and its steps)",
+    )
     parser.add_argument(
         "--scale", default="2,4,8,16,32,64,128,256,512,1024",
         help="host counts for the scaling plot and JSON",
@@ -151,7 +162,8 @@ def take_profile(
     model, datamodule = build(args.model, data_text, args.batch_size, args.seed)
     profile = profile_module(
         model, datamodule, micro_batches=_micro_batch_counts(strategies),
-        steps=args.profile_steps, threads=args.threads, seed=args.seed,
+        steps=args.profile_steps, seconds=args.profile_seconds, threads=args.threads,
+        seed=args.seed,
         accelerator=args.accelerator,
     )  # fmt: skip
     return replace(profile, notes={**profile.notes, "model": args.model, "data": data_text})
@@ -164,6 +176,7 @@ def plan(
     specs: list[str] | tuple[str, ...] | None = None,
     *,
     steps: int = 8,
+    seconds: float = PROFILE_SECONDS,
     threads: int = 1,
     accelerator: str = "cpu",
 ) -> list[Any]:
@@ -188,7 +201,7 @@ def plan(
     strategies = [(text, *strategy_options(text)) for text in texts]
     profile = profile_module(
         model, datamodule, micro_batches=_micro_batch_counts(strategies), steps=steps,
-        threads=threads, accelerator=accelerator,
+        seconds=seconds, threads=threads, accelerator=accelerator,
     )  # fmt: skip
     return ranked(predict(profile, cluster, strategies))
 
@@ -252,7 +265,14 @@ def run_length(profile: Any, world: int, steps: int | None) -> Any:
         epoch = (
             whole if profile.notes.get("drop_last") else math.ceil(per_rank / profile.batch_size)
         )
-    return RunLength(steps=steps, epoch_steps=epoch)
+    validation = profile.notes.get("validation_samples")
+    return RunLength(
+        steps=steps,
+        epoch_steps=epoch,
+        train_samples=samples or None,
+        validation_samples=validation or None,
+        drop_last=bool(profile.notes.get("drop_last")),
+    )
 
 
 def run_plan(args: argparse.Namespace) -> dict[str, Any]:

@@ -1,9 +1,11 @@
 """Profile a ``LightningModule`` for a plan: a real one-process ``fit`` and the plain-torch
 measures of :mod:`lightning_parallel.plan.measure`.
 
-1. a ``fit`` of ``steps`` steps runs under ``ddp`` on this one process (the module's own
-   Lightning namespace), timed step by step as the bench times a step: the trainer's own time
-   per step and the process's peak memory come from it;
+1. a ``fit`` runs under ``ddp`` on this one process (the module's own Lightning namespace),
+   timed step by step as the bench times a step, for at least ``steps`` steps and on until the
+   steps after the first two add up to ``seconds`` (:data:`PROFILE_SECONDS`; at most
+   :data:`PROFILE_MAX_STEPS`): the trainer's own time per step (their median) and the
+   process's peak memory come from it;
 2. :func:`~lightning_parallel.plan.measure.profile_step` times the forward, backward and
    optimizer step of ``training_step`` on the data module's first batch, and
    :func:`~lightning_parallel.plan.measure.pipeline_layers` the chain a pipeline would split,
@@ -30,9 +32,20 @@ def _rss_bytes() -> float:
         return float(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _step_probe(callback_base: type) -> Any:
+#: steps of the profile's fit not timed (the first ones build the optimizer state and warm up)
+PROFILE_WARMUP_STEPS = 2
+#: the profile's fit runs until its timed steps add up to this many seconds (and at least the
+#: steps asked for): a fit of 8 steps of 40 ms, 0.25 s timed, gave medians from 41 to 65 ms
+#: for the same model in different runs, beside steps of 58-66 ms in the bench's runs
+PROFILE_SECONDS = 3.0
+#: the most steps the profile's fit takes, whatever their time
+PROFILE_MAX_STEPS = 400
+
+
+def _step_probe(callback_base: type, steps: int, seconds: float) -> Any:
     """A callback of ``callback_base``'s namespace that times steps as the bench's probe does
-    (from the previous step's end to this one's) and reads the peak memory at train end."""
+    (from the previous step's end to this one's), stops the fit once ``steps`` steps are done
+    and the timed ones add up to ``seconds``, and reads the peak memory at train end."""
     import resource
     import time
 
@@ -47,9 +60,12 @@ def _step_probe(callback_base: type) -> Any:
             now = time.perf_counter()
             self._start = self._previous if self._previous is not None else now
 
-        def on_train_batch_end(self, *args: Any) -> None:
+        def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
             self._previous = time.perf_counter()
             self.step_seconds.append(self._previous - self._start)
+            timed = sum(self.step_seconds[PROFILE_WARMUP_STEPS:])
+            if len(self.step_seconds) >= steps and timed >= seconds:
+                trainer.should_stop = True
 
         def on_train_end(self, *args: Any) -> None:
             self.peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0
@@ -82,6 +98,7 @@ def profile_module(
     *,
     micro_batches: list[int] | tuple[int, ...] = (1,),
     steps: int = 8,
+    seconds: float = PROFILE_SECONDS,
     threads: int = 1,
     seed: int = 0,
     accelerator: str = "cpu",
@@ -110,7 +127,7 @@ def profile_module(
     lightning = (of_object(model) or PYTORCH_LIGHTNING).module()
     threads_before = torch.get_num_threads()
     base = _rss_bytes()
-    probe = _step_probe(lightning.Callback)
+    probe = _step_probe(lightning.Callback, steps, seconds)
     with _isolated_fit():
         # Lightning's CPU accelerator gives each process cores // processes threads unless
         # OMP_NUM_THREADS is set (the bench's hosts set it to 1)
@@ -120,8 +137,9 @@ def profile_module(
         trainer = lightning.Trainer(
             accelerator=accelerator, devices=1,
             strategy=lightning.strategies.DDPStrategy(process_group_backend="gloo"),
-            max_steps=steps, limit_val_batches=0, logger=False, enable_checkpointing=False,
-            enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+            max_steps=max(steps, PROFILE_MAX_STEPS), limit_val_batches=0, logger=False,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            num_sanity_val_steps=0,
             callbacks=[probe],
         )  # fmt: skip
         trainer.fit(model, datamodule=datamodule)
@@ -129,7 +147,7 @@ def profile_module(
         if device is not None:  # Lightning's teardown left the model on the CPU
             model.to(device)
         hooks = _hook_timings(model, datamodule, device)
-    warmup = min(2, max(0, len(probe.step_seconds) - 1))
+    warmup = min(PROFILE_WARMUP_STEPS, max(0, len(probe.step_seconds) - 1))
     steady = sorted(probe.step_seconds[warmup:])
     trainer_step = steady[len(steady) // 2] if steady else None
     loader = datamodule.train_dataloader()
@@ -155,12 +173,22 @@ def profile_module(
         pipeline_error=error,
         notes={
             "model": type(model).__name__,
-            "profile_steps": steps,
+            "profile_steps": len(probe.step_seconds),
             "train_samples": samples,
+            "validation_samples": _validation_samples(datamodule),
             "drop_last": bool(getattr(loader, "drop_last", False)),
             "accelerator": accelerator,
         },
     )
+
+
+def _validation_samples(datamodule: Any) -> int | None:
+    """Samples of the data module's validation set (``None``: none, or not sized)."""
+    try:
+        loader = datamodule.val_dataloader()
+        return len(loader.dataset) if hasattr(loader, "dataset") else None
+    except Exception:  # a module without validation data, or an unsized dataset
+        return None
 
 
 def _on(device: Any, batch: Any) -> Any:

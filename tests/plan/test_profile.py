@@ -110,3 +110,33 @@ def test_the_layer_profile_names_the_layers_sharing_a_tensor() -> None:
     layers = [embedding, nn.Linear(8, 8), head]
     assert tied_layers(layers) == ((16 * 8 * 4, (0, 2)),)
     assert tied_layers(layers[:2]) == ()
+
+
+def test_the_profile_s_fit_runs_until_its_timed_steps_add_up() -> None:
+    """At least ``steps`` steps, and on until the steps after the first two add up to
+    ``seconds``: a fit of 8 steps of 40 ms timed 0.25 s and its median moved by 50% between
+    runs."""
+    import time
+    from types import SimpleNamespace
+
+    import pytorch_lightning as pl
+
+    from lightning_parallel.bench.plan_profile import _step_probe
+
+    probe = _step_probe(pl.Callback, steps=3, seconds=0.05)
+    trainer = SimpleNamespace(should_stop=False)
+    steps = 0
+    while not trainer.should_stop:
+        probe.on_train_batch_start(trainer)
+        time.sleep(0.01)
+        probe.on_train_batch_end(trainer)
+        steps += 1
+    timed = sum(probe.step_seconds[2:])
+    assert steps >= 3 and timed >= 0.05 and timed - probe.step_seconds[-1] < 0.05
+    probe = _step_probe(pl.Callback, steps=3, seconds=0.0)
+    trainer = SimpleNamespace(should_stop=False)
+    for _ in range(3):
+        assert not trainer.should_stop
+        probe.on_train_batch_start(trainer)
+        probe.on_train_batch_end(trainer)
+    assert trainer.should_stop
