@@ -25,7 +25,8 @@ cap is recorded with ``ok: false``, the error ``host H ran out of memory: its SI
 (--memory-per-host) was reached and the kernel killed rank R`` and ``extra.out_of_memory``.
 
 Figures (see ``BENCH.md``): step times are pooled over ranks after ``warmup_steps`` steps;
-``samples_per_s`` sums each rank's samples over its steady-state time; ``wire_bytes_per_step``
+``samples_per_s`` sums each rank's samples of its steady-state steps over their time (a batch
+the strategy did not train counts no samples); ``wire_bytes_per_step``
 and ``reported_bytes_per_step`` are per host (the processes of a host summed), averaged over
 hosts; ``wall_s`` is the training time (train start to train end, slowest rank);
 ``extra.per_rank[i]`` holds rank ``i``'s own figures, among them the bytes of the parameters,
@@ -184,11 +185,15 @@ def summarize(
         seconds = sum(record["step_seconds"][warmup:])
         count = len(record["step_seconds"][warmup:])
         per_step = record["samples"] / max(1, len(record["step_seconds"]))
+        # the samples of the steady steps themselves: a parameter-server worker's steady window
+        # can hold a batch it did not train (no samples, hardly any time)
+        by_step = record.get("step_samples")
+        trained = sum(by_step[warmup:]) if by_step is not None else per_step * count
         per_rank.append(
             {
                 "rank": record["rank"],
                 "steps": len(record["step_seconds"]),
-                "samples_per_s": per_step * count / seconds if seconds > 0 else 0.0,
+                "samples_per_s": trained / seconds if seconds > 0 else 0.0,
                 "step_seconds_sum": sum(record["step_seconds"]),
                 "train_seconds": record["train_seconds"],
                 "param_bytes": record.get("param_bytes"),

@@ -102,6 +102,8 @@ def _make_probe(
     class Probe(pl.Callback):
         def __init__(self) -> None:
             self.step_seconds: list[float] = []
+            # samples trained in each step (0: a batch the strategy did not train)
+            self.step_samples: list[int] = []
             self.samples = 0
             self.validations: list[dict[str, float]] = []
             self.train_start = 0.0
@@ -168,8 +170,9 @@ def _make_probe(
                 print(progress_line(trainer.global_rank, trainer.global_step), flush=True)
             # a batch the strategy did not train (the parameter server's epoch tail: its grant
             # went to a faster worker) keeps its time but adds no samples
-            if _skipped_batches(trainer) == self._skipped_before:
-                self.samples += _samples(batch)
+            trained = _samples(batch) if _skipped_batches(trainer) == self._skipped_before else 0
+            self.samples += trained
+            self.step_samples.append(trained)
 
         def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
             self._validation_start = time.perf_counter()
@@ -359,6 +362,7 @@ def train(args: argparse.Namespace, progress: _Progress | None = None) -> dict[s
         "samples": probe.samples,
         "batch_size": args.batch_size,
         "step_seconds": probe.step_seconds,
+        "step_samples": probe.step_samples,
         "validations": probe.validations,
         "train_seconds": probe.train_seconds,
         "interface": interface,

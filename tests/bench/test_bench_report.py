@@ -54,6 +54,23 @@ def test_summary_follows_the_contract_and_counts_per_host():
     assert run["extra"]["warmup_steps_excluded"] == 2
 
 
+def test_a_rank_s_samples_per_second_counts_only_the_batches_it_trained():
+    # a parameter-server worker on a slow link: 6 steps of which the last is a batch whose
+    # grant went to the faster worker (no samples, no time); its steady window after 5
+    # warm-up steps holds only that one: it trained nothing there, not 8 samples in 1 ms
+    fast = _record(0, 0, 0, [0.2] * 10, 1000)
+    slow = _record(1, 1, 0, [4.0] * 5 + [0.001], 1000)
+    fast["step_samples"] = [8] * 10
+    slow["samples"], slow["step_samples"] = 5 * 8, [8] * 5 + [0]
+    config = BenchConfig(hosts=2, max_steps=10, warmup_steps=5)
+    run = summarize("parameter_server", "parameter_server", [fast, slow], config)
+    assert [rank["samples_per_s"] for rank in run["extra"]["per_rank"]] == [
+        pytest.approx(8 / 0.2),
+        0.0,
+    ]
+    assert run["samples_per_s"] == pytest.approx(8 / 0.2)
+
+
 def test_table_json_and_plot(tmp_path):
     records = [_record(r, r, 0, [0.3] * 10, 1000) for r in range(2)]
     config = BenchConfig(hosts=2, max_steps=10)
