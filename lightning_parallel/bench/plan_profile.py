@@ -35,8 +35,8 @@ def _rss_bytes() -> float:
 #: steps of the profile's fit not timed (the first ones build the optimizer state and warm up)
 PROFILE_WARMUP_STEPS = 2
 #: the profile's fit runs until its timed steps add up to this many seconds (and at least the
-#: steps asked for): a fit of 8 steps of 40 ms, 0.25 s timed, gave medians from 41 to 65 ms
-#: for the same model in different runs, beside steps of 58-66 ms in the bench's runs
+#: steps asked for): three 8-step fits of ``gpt`` one after the other gave medians of 46, 61
+#: and 70 ms, three 3-second fits 59, 67 and 58 ms, beside steps of 58-69 ms in the bench's runs
 PROFILE_SECONDS = 3.0
 #: the most steps the profile's fit takes, whatever their time
 PROFILE_MAX_STEPS = 400

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import copy
 import enum
-import sys
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
@@ -56,6 +55,7 @@ from lightning_parallel.parameter_server.protocol import (
     RequestFlag,
     RequestKind,
 )
+from lightning_parallel.parameter_server.snapshots import SnapshotPool
 from lightning_parallel.parameter_server.telemetry import ServerStatistics
 from lightning_parallel.parameter_server.updates import PendingGradient, ShardUpdater
 
@@ -81,10 +81,6 @@ _LIVE = (
     WorkerStatus.DRAIN_PENDING,
     WorkerStatus.DRAINING,
 )
-#: Python references to a pooled snapshot nobody reads: the pool's list, the loop variable and
-#: ``sys.getrefcount``'s own argument
-_POOLED_REFERENCES = 3
-
 _WAITING_FOR_REPLY = (WorkerStatus.WAITING, WorkerStatus.DRAIN_PENDING, WorkerStatus.DRAINING)
 
 
@@ -154,7 +150,7 @@ class ShardServer:
         self._workers = {int(rank): _Worker() for rank in workers}
         self._pending: list[PendingGradient] = []
         self._snapshot: Tensor | None = None
-        self._snapshots: list[Tensor] = []  # reused snapshot buffers (_unread_snapshot)
+        self._snapshots = SnapshotPool(self.weights, limit=len(self._workers) + 2)
         self._buffers: dict[int, Tensor] = {}
 
     # ------------------------------------------------------------------ requests
@@ -342,28 +338,8 @@ class ShardServer:
         # One read-only snapshot per version: sends may still be reading it while the next
         # update changes the weights, and DC-ASGD needs exactly the weights each worker read.
         if self._snapshot is None:
-            self._snapshot = self._unread_snapshot()
-            self._snapshot.copy_(self.weights)
+            self._snapshot = self._snapshots.take()
         return self._snapshot
-
-    def _unread_snapshot(self) -> Tensor:
-        """A snapshot buffer no reply, send or worker record still holds (made if none is).
-
-        Reusing one matters: a fresh vector of a large shard costs its page faults on every
-        version (48 ms for 51 MB on a CPU core, against 7 ms for a copy into memory already
-        touched), on the server's host's worker's critical path. Only the server hands
-        snapshots out, under its lock, so a buffer held by the pool alone (its Python
-        references: the pool, the loop and ``getrefcount``'s argument) stays unread until the
-        server gives it out again; every holder (a reply, a send's keep-alive until the send
-        completed, DC-ASGD's weights read) holds the tensor object itself.
-        """
-        for snapshot in self._snapshots:
-            if sys.getrefcount(snapshot) <= _POOLED_REFERENCES:
-                return snapshot
-        snapshot = torch.empty_like(self.weights)
-        if len(self._snapshots) < len(self._workers) + 2:
-            self._snapshots.append(snapshot)
-        return snapshot
 
     def _computed_on(self, request: Request) -> tuple[int, Tensor | None]:
         """The version (and DC-ASGD's weights) the request's gradient was computed on."""

@@ -38,8 +38,8 @@ from lightning_parallel.plan.memory import (
     model_state_bytes,
     peak_rss_mb,
 )
-from lightning_parallel.plan.network import Cluster, Transfer, send
-from lightning_parallel.plan.parameter_server_run import RunCounts, WorkerTimes, simulate_run
+from lightning_parallel.plan.network import Cluster, send
+from lightning_parallel.plan.parameter_server_run import WorkerTimes, simulate_run
 from lightning_parallel.plan.prediction import (
     STEADY,
     Prediction,
@@ -101,10 +101,22 @@ def predict_parameter_server(
     remote_rate = total - rate_server - (near - 1) / (local + apply_s)
     pushes = replies = remote_rate / rate_server
     if run.steps:
-        counts = _run_counts(
-            run, near, remote, stragglers, server_step, local, apply_s, straggler,
-            push, pull, remote_step, slow_step, cluster,
-        )  # fmt: skip
+        # the run exchange by exchange (plan.parameter_server_run): the server's host's workers
+        # answered in-process, the remote ones over the link, each remote step as long as the
+        # steady law above says
+
+        def over_link(compute: float, whole: float) -> WorkerTimes:
+            reply = max(apply_s + pull.seconds, whole - compute - push.seconds)
+            latency = cluster.inter.latency
+            return WorkerTimes(compute, push.seconds, reply, latency, pull.seconds)
+
+        workers = [
+            WorkerTimes(server_step),
+            *[WorkerTimes(local + apply_s)] * (near - 1),
+            *[over_link(local * straggler, slow_step)] * stragglers,
+            *[over_link(local, remote_step)] * (remote - stragglers),
+        ]
+        counts = simulate_run(workers, run.epoch_steps, run.steps * cluster.world)
         rank0 = max(1, counts.steps[0])
         pushes = sum(counts.pushes[near:]) / rank0
         replies = sum(counts.replies[near:]) / rank0
@@ -137,40 +149,3 @@ def predict_parameter_server(
             **({"note": note} if note else {}),
         },
     )
-
-
-def _run_counts(
-    run: RunLength,
-    near: int,
-    remote: int,
-    stragglers: int,
-    server_step: float,
-    local: float,
-    apply_s: float,
-    straggler: float,
-    push: Transfer,
-    pull: Transfer,
-    remote_step: float,
-    slow_step: float,
-    cluster: Cluster,
-) -> RunCounts:
-    """The run of ``run.steps`` steps per rank, exchange by exchange
-    (:mod:`~lightning_parallel.plan.parameter_server_run`): the server's host's workers answered
-    in-process, the remote ones over the link, each remote step as long as the steady law says."""
-    latency = cluster.inter.latency
-    workers = [WorkerTimes(server_step)] + [WorkerTimes(local + apply_s)] * (near - 1)
-    for index in range(remote):
-        slow = index < stragglers
-        compute = local * (straggler if slow else 1.0)
-        whole = slow_step if slow else remote_step
-        workers.append(
-            WorkerTimes(
-                compute_s=compute,
-                push_s=push.seconds,
-                reply_s=max(apply_s + pull.seconds, whole - compute - push.seconds),
-                ask_s=latency,
-                fetch_s=pull.seconds,
-            )
-        )
-    assert run.steps is not None
-    return simulate_run(workers, run.epoch_steps, run.steps * cluster.world)
