@@ -1,7 +1,7 @@
 """Benchmark strategies on a simulated cluster: runner, SPEC parsing, table, JSON and plot."""
 
 from lightning_parallel.bench.report import plot, print_table, table, write_json
-from lightning_parallel.bench.runner import BenchConfig, run_benchmark, run_spec, summarize
+from lightning_parallel.bench.runner import BenchConfig, run_benchmark, run_spec
 from lightning_parallel.bench.specs import (
     Spec,
     available,
@@ -11,6 +11,7 @@ from lightning_parallel.bench.specs import (
     register_baseline,
     resolve,
 )
+from lightning_parallel.bench.summary import summarize
 
 __all__ = [
     "BenchConfig",

@@ -7,8 +7,9 @@ For each SPEC, in order:
    hosts, bandwidth and latency, so no run inherits another's queues or counters;
 3. the worker (``python -m lightning_parallel.bench.worker``) runs on every process slot with
    the same model, data, seed, batch size and steps; its output goes to a log file;
-4. the per-rank JSON files are summarized (:func:`summarize`); a run whose process failed or
-   wrote no record is kept with ``ok: false`` and the error, and the next SPEC runs; where a
+4. the per-rank JSON files are summarized
+   (:func:`~lightning_parallel.bench.summary.summarize`); a run whose process failed or wrote
+   no record is kept with ``ok: false`` and the error, and the next SPEC runs; where a
    process reports that the strategy declined the model or its settings (a clean error before
    the first step, see :mod:`~lightning_parallel.bench.worker`) the run has ``refused: true``
    and the reason as its error.
@@ -24,19 +25,13 @@ With ``memory_per_host`` every host of step 2 also gets a memory cgroup of that 
 cap is recorded with ``ok: false``, the error ``host H ran out of memory: its SIZE cap
 (--memory-per-host) was reached and the kernel killed rank R`` and ``extra.out_of_memory``.
 
-Figures (see ``BENCH.md``): step times are pooled over ranks after ``warmup_steps`` steps;
-``samples_per_s`` sums each rank's samples of its steady-state steps over their time (a batch
-the strategy did not train counts no samples); ``wire_bytes_per_step``
-and ``reported_bytes_per_step`` are per host (the processes of a host summed), averaged over
-hosts; ``wall_s`` is the training time (train start to train end, slowest rank);
-``extra.per_rank[i]`` holds rank ``i``'s own figures, among them the bytes of the parameters,
-gradients and optimizer state it held at train end and its peak RSS.
+Figures (see ``BENCH.md``): how a run's record pools its ranks' records is
+:mod:`~lightning_parallel.bench.summary`'s docstring.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import re
 import sys
 import tempfile
@@ -49,6 +44,7 @@ from typing import Any
 
 from lightning_parallel.bench.fault_outcome import fault_error, fault_outcome, spec_timeout_s
 from lightning_parallel.bench.specs import build_strategy, parse_spec, split_trainer_options
+from lightning_parallel.bench.summary import failed_record, summarize
 from lightning_parallel.cluster.cgroups import check_memory_requirements
 from lightning_parallel.cluster.faults import check_faults, parse_fault
 from lightning_parallel.cluster.launcher import run_on_hosts
@@ -136,142 +132,6 @@ class BenchConfig:
         return self.hosts * self.procs_per_host
 
 
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    position = (len(ordered) - 1) * q
-    low, high = math.floor(position), math.ceil(position)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
-
-
-def _failed(spec: str, name: str, world_size: int, error: str, **extra: Any) -> dict[str, Any]:
-    return {
-        "spec": spec,
-        "strategy": name,
-        "world_size": world_size,
-        "ok": False,
-        "refused": False,
-        "error": error,
-        "steps": None,
-        "samples": None,
-        "step_time_s": None,
-        "samples_per_s": None,
-        "wire_bytes_per_step": None,
-        "reported_bytes_per_step": None,
-        "val_acc": None,
-        "val_loss": None,
-        "time_to_target_s": None,
-        "wall_s": None,
-        "peak_rss_mb": None,
-        "extra": {"compression_ratio": None, "bubble_fraction": None, "staleness_mean": None}
-        | extra,
-    }
-
-
-def _finite(value: float) -> float | None:
-    return value if math.isfinite(value) else None
-
-
-def summarize(
-    spec: str, name: str, records: list[dict[str, Any]], config: BenchConfig
-) -> dict[str, Any]:
-    """One BENCH.md run record from the per-rank worker records (all ``ok``)."""
-    records = sorted(records, key=lambda r: r["rank"])
-    lead = records[0]
-    steps = int(lead["steps"])
-    warmup = min(config.warmup_steps, max(0, len(lead["step_seconds"]) - 1))
-    steady = [t for r in records for t in r["step_seconds"][warmup:]]
-    per_rank: list[dict[str, Any]] = []
-    for record in records:
-        seconds = sum(record["step_seconds"][warmup:])
-        count = len(record["step_seconds"][warmup:])
-        per_step = record["samples"] / max(1, len(record["step_seconds"]))
-        # the samples of the steady steps themselves: a parameter-server worker's steady window
-        # can hold a batch it did not train (no samples, hardly any time)
-        by_step = record.get("step_samples")
-        trained = sum(by_step[warmup:]) if by_step is not None else per_step * count
-        per_rank.append(
-            {
-                "rank": record["rank"],
-                "steps": len(record["step_seconds"]),
-                "samples_per_s": trained / seconds if seconds > 0 else 0.0,
-                "step_seconds_sum": sum(record["step_seconds"]),
-                "train_seconds": record["train_seconds"],
-                "param_bytes": record.get("param_bytes"),
-                "grad_bytes": record.get("grad_bytes"),
-                "optimizer_bytes": record.get("optimizer_bytes"),
-                "peak_rss_mb": record.get("peak_rss_mb"),
-            }
-        )
-    samples_per_s = sum(rank["samples_per_s"] for rank in per_rank)
-    hosts = sorted({r["node_rank"] for r in records})
-    wire = [
-        r["tx_bytes"] / steps for r in records if r["local_rank"] == 0 and r["tx_bytes"] is not None
-    ]
-    reported = [
-        sum(r["reported_bytes"] for r in records if r["node_rank"] == host) / steps
-        for host in hosts
-    ]
-    validations = lead["validations"]
-    final = validations[-1] if validations else {"val_acc": math.nan, "val_loss": math.nan}
-    reached = [v["wall_s"] for v in validations if v["val_acc"] >= config.target_acc]
-    gauges = lead.get("gauges", {})
-    reported_per_step = sum(reported) / len(reported) if reported else 0.0
-    compression = gauges.get("compression_ratio")
-    if compression is None and lead.get("data_parallel") and reported_per_step > 0:
-        compression = lead["dense_allreduce_bytes"] * config.procs_per_host / reported_per_step
-    return {
-        "spec": spec,
-        "strategy": name,
-        "world_size": len(records),
-        "ok": True,
-        "refused": False,
-        "error": None,
-        "steps": steps,
-        "samples": sum(r["samples"] for r in records),
-        "step_time_s": {
-            "median": _percentile(steady, 0.5),
-            "p10": _percentile(steady, 0.1),
-            "p90": _percentile(steady, 0.9),
-        },
-        "samples_per_s": samples_per_s,
-        "wire_bytes_per_step": sum(wire) / len(wire) if wire else None,
-        "reported_bytes_per_step": reported_per_step,
-        "val_acc": _finite(final["val_acc"]),
-        "val_loss": _finite(final["val_loss"]),
-        "time_to_target_s": reached[0] if reached else None,
-        "wall_s": max(r["train_seconds"] for r in records),
-        "peak_rss_mb": max(r["peak_rss_mb"] for r in records),
-        "val_history": [
-            [v["wall_s"], v["step"], _finite(v["val_acc"]), _finite(v["val_loss"])]
-            for v in validations
-        ],
-        "extra": {
-            "compression_ratio": compression,
-            "bubble_fraction": gauges.get("bubble_fraction"),
-            "staleness_mean": gauges.get("staleness_mean"),
-            "peak_round_bytes": gauges.get("peak_round_bytes"),
-            "warmup_steps_excluded": warmup,
-            "wire_bytes_per_step_per_host": wire,
-            # the first host's interface after every step: [seconds, bytes sent so far]
-            "wire_trace": next(
-                (r.get("tx_trace") for r in records if r["local_rank"] == 0 and r["tx_bytes"]),
-                None,
-            ),
-            "reported_bytes_per_step_per_host": reported,
-            "comm_seconds_per_step": sum(r["comm_seconds"] for r in records)
-            / (len(records) * max(1, steps)),
-            "dense_allreduce_bytes_per_process": lead["dense_allreduce_bytes"],
-            "parameters": lead["parameters"],
-            "strategy_class": lead["strategy_class"],
-            "comm_hook_calls": lead.get("hook_calls"),
-            "straggler_delay_s": max(r["straggler_delay_s"] for r in records),
-            "torch_threads": max(r["torch_threads"] for r in records),
-            "per_rank": per_rank,
-            "gauges": gauges,
-        },
-    }
-
-
 def _worker_command(spec: str, config: BenchConfig, output: Path) -> list[str]:
     command = [
         sys.executable, "-m", "lightning_parallel.bench.worker",
@@ -307,7 +167,7 @@ def run_spec(spec: str, config: BenchConfig, log_dir: Path) -> dict[str, Any]:
         parse_spec(config.model)
         parse_spec(config.data)
     except (ValueError, TypeError) as error:
-        return _failed(spec, spec.split(":")[0], config.world_size, str(error))
+        return failed_record(spec, spec.split(":")[0], config.world_size, str(error))
     log_path = log_dir / (re.sub(r"[^A-Za-z0-9_.=-]+", "_", spec) + ".log")
     with tempfile.TemporaryDirectory(prefix="lp-bench-") as directory, log_path.open("w") as log:
         output = Path(directory)
@@ -356,7 +216,7 @@ def run_spec(spec: str, config: BenchConfig, log_dir: Path) -> dict[str, Any]:
         report = fault_error(outcome)
         if result.out_of_memory:
             report = f"{result.out_of_memory[0].describe()}\n{report}"
-        failed = _failed(spec, name, config.world_size, report, **extra, **outcome)
+        failed = failed_record(spec, name, config.world_size, report, **extra, **outcome)
         failed["wall_s"] = max(ended) if ended else None
         return failed
     failing = [r for r in records if not r.get("ok")]
@@ -364,7 +224,7 @@ def run_spec(spec: str, config: BenchConfig, log_dir: Path) -> dict[str, Any]:
         # the strategy declined the model or its settings: the reason, not the other ranks'
         # lost connections that follow it
         reasons = sorted({r["error"] for r in failing if r.get("refused")})
-        refusal = _failed(spec, name, config.world_size, "\n".join(reasons), **extra)
+        refusal = failed_record(spec, name, config.world_size, "\n".join(reasons), **extra)
         refusal["refused"] = True
         return refusal
     errors = [f"rank {r['rank']}: {r['error']}" for r in failing]
@@ -373,7 +233,7 @@ def run_spec(spec: str, config: BenchConfig, log_dir: Path) -> dict[str, Any]:
         if result.returncode:
             lines += [f"  {line}" for line in result.tail[-12:] if line.strip()]
         lines += errors or [f"{len(records)} of {config.world_size} processes wrote a record"]
-        return _failed(spec, name, config.world_size, "\n".join(lines), **extra)
+        return failed_record(spec, name, config.world_size, "\n".join(lines), **extra)
     run = summarize(spec, name, records, config)
     run["extra"].update(extra, latency_emulated=latency_emulated)
     return run

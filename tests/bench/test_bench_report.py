@@ -5,7 +5,8 @@ import pytest
 from rich.console import Console
 
 from lightning_parallel.bench.report import plot, print_table, setting, write_json
-from lightning_parallel.bench.runner import BenchConfig, summarize
+from lightning_parallel.bench.runner import BenchConfig
+from lightning_parallel.bench.summary import summarize
 
 BENCH_RUN_KEYS = {
     "spec", "strategy", "world_size", "ok", "error", "steps", "samples", "step_time_s",
