@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "strategies"))
 
 from test_gropipe import Net, assert_same_weights, loader, trainer
 
-from lightning_parallel.bench.peers.pipeline_peers import engine_config
+from lightning_parallel.bench.peers.deepspeed_pipe import engine_config
 from lightning_parallel.bench.specs import build_strategy
 
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None

@@ -182,7 +182,7 @@ def test_torch_peers_refuse_cuda_tensors_over_gloo() -> None:
     """torch's schedules send CUDA tensors through the process group as they are; gloo cannot
     (every torch peer aborted with 'writev: Bad address' on one GPU shared over gloo): the peer
     refuses at setup, naming NCCL, while CUDA over NCCL and the CPU over gloo go on."""
-    from lightning_parallel.bench.peers.pipeline_peers import check_peer_transport
+    from lightning_parallel.bench.peers.torch_pipelining import check_peer_transport
 
     with pytest.raises(ValueError, match=r"torch_zbv .*gloo cannot send CUDA tensors.*nccl"):
         check_peer_transport("torch_zbv", torch.device("cuda", 0), "gloo")

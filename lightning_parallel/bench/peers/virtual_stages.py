@@ -40,11 +40,8 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from lightning_parallel.bench.peers.pipeline_peers import (
-    OneCut,
-    TorchPipeliningStrategy,
-    WholeModelPeer,
-)
+from lightning_parallel.bench.peers.torch_pipelining import OneCut, TorchPipeliningStrategy
+from lightning_parallel.bench.peers.whole_model import WholeModelPeer
 from lightning_parallel.bench.specs import register_baseline
 from lightning_parallel.comm.ledger import process_ledger
 from lightning_parallel.pipeline.assembly import Pipeline
