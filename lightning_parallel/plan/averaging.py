@@ -9,7 +9,9 @@ every step. Every ``H`` steps (``period``) a round averages the replicas:
   period holds ``F`` rounds of ``P/F`` bytes (``P``: parameter bytes);
 - a round sends its fragment as an allreduce in ``fp32`` or at half the bytes in
   ``bf16``/``fp16``; ``int8`` and ``int4`` codes cannot be summed on the wire, so they are
-  all-gathered (``(W − 1)·P/4`` and ``(W − 1)·P/8`` bytes a rank, block scales aside);
+  all-gathered (``(W − 1)·P/4`` and ``(W − 1)·P/8`` bytes a rank, block scales aside); the
+  floating-point buffers (BatchNorm's statistics, ``buffers="average"``) are averaged with it
+  in full precision;
 - the round's work on the core (copies of the replica and the agreed point, the outer
   optimizer's step) is taken as one optimizer step for plain averaging and EASGD, two for an
   outer optimizer (DiLoCo, BMUF);
@@ -50,6 +52,16 @@ def round_transfer(cluster: Cluster, nbytes: float, dtype: str) -> Transfer:
     if dtype in ("int8", "int4"):
         return all_gather(cluster, nbytes * fraction)
     return all_reduce(cluster, nbytes * fraction)
+
+
+def _joined(first: Transfer, second: Transfer) -> Transfer:
+    """Two exchanges of one round, one after the other."""
+    return Transfer(
+        first.seconds + second.seconds,
+        first.payload_bytes + second.payload_bytes,
+        first.wire_bytes + second.wire_bytes,
+        first.messages + second.messages,
+    )
 
 
 def _rounds_in(steps: int, period: int, fragments: int) -> int:
@@ -121,7 +133,15 @@ def predict_averaging(
         loss = all_reduce(cluster, loss_bytes, element_bytes=8)
         traffic.add(loss)
         local += loss.seconds
-    transfer = round_transfer(cluster, profile.parameter_bytes / fragments, dtype)
+    # the floating-point buffers (BatchNorm's statistics) are averaged with the parameters,
+    # in full precision (``buffers="average"``, the default)
+    buffers = profile.float_buffer_bytes if options.get("buffers", "average") == "average" else 0
+    if dtype == "fp32":  # one flat buffer of both
+        transfer = round_transfer(cluster, (profile.parameter_bytes + buffers) / fragments, dtype)
+    else:
+        transfer = round_transfer(cluster, profile.parameter_bytes / fragments, dtype)
+        if buffers:
+            transfer = _joined(transfer, all_reduce(cluster, buffers / fragments))
     rounds = round_counts(run, period, fragments, consensus=algorithm != "easgd")
     traffic.add(transfer, times=rounds, waited=False)
     work = profile.optimizer_s * (2.0 if algorithm in _OUTER else 1.0) / fragments

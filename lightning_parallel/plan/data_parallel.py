@@ -31,6 +31,10 @@ the ``Q`` into a second, the dense layers into one, after backward; its cost mod
 layer dense where the dense bytes cost less link time than its factors and their codec work,
 and so does the prediction.
 
+**Buffers.** DDP broadcasts rank 0's buffers (BatchNorm's running statistics) before every
+training forward (``broadcast_buffers``, on by default): one binomial broadcast of the
+profile's ``buffer_bytes``, waited for, in every DDP-based prediction.
+
 **A shaper's burst.** Where the link is shaped by a token bucket (the simulated hosts), the
 bucket refills while the link idles during the compute, and its burst passes at once: the
 exposed communication is less by ``min(burst, idle · b) / b`` (at 10 Mbit/s 56 ms a step).
@@ -38,13 +42,14 @@ exposed communication is less by ``min(burst, idle · b) / b`` (at 10 Mbit/s 56 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from lightning_parallel.compression.low_rank import matrix_shape
 from lightning_parallel.plan.memory import EXTRA_PARAMETER_COPIES, peak_rss_mb
-from lightning_parallel.plan.network import Cluster, Transfer, all_reduce
+from lightning_parallel.plan.network import Cluster, Transfer, all_reduce, broadcast
 from lightning_parallel.plan.prediction import STEADY, Prediction, RunLength, Traffic
 from lightning_parallel.plan.profile import BLOCKED, ParameterShape, StepProfile
 
@@ -132,6 +137,12 @@ def _finish(
     # at once
     credit = cluster.inter.burst_seconds(profile.step_s) if cluster.hosts > 1 else 0.0
     exposed = max(0.0, comm_end - backward_end - credit)
+    if profile.buffer_bytes:
+        # DDP's broadcast of rank 0's buffers before every training forward: nothing to hide
+        # it behind
+        buffers = buffer_broadcast(cluster, profile.buffer_bytes)
+        traffic.add(buffers)
+        exposed += buffers.seconds
     step = profile.step_s + work_s + exposed
     return Prediction(
         spec=spec,
@@ -146,6 +157,20 @@ def _finish(
         peak_rss_mb=peak_rss_mb(profile, extra_bytes),
         samples_per_s=cluster.world * profile.batch_size / step,
         detail=detail or {},
+    )
+
+
+def buffer_broadcast(cluster: Cluster, nbytes: float) -> Transfer:
+    """DDP's ``broadcast_buffers``: rank 0's ``nbytes`` of buffers to every rank before each
+    training forward (one binomial broadcast,
+    :func:`~lightning_parallel.plan.network.broadcast`), its bytes as the hosts' mean: the
+    tree's ``H − 1`` copies over ``H`` hosts (the root's host sends ``⌈log2 H⌉`` of them, the
+    last round's hosts none)."""
+    tree = broadcast(cluster, nbytes)
+    rounds = math.ceil(math.log2(cluster.hosts)) if cluster.hosts > 1 else 1
+    share = (cluster.hosts - 1) / (cluster.hosts * rounds)
+    return replace(
+        tree, payload_bytes=tree.payload_bytes * share, wire_bytes=tree.wire_bytes * share
     )
 
 

@@ -9,8 +9,9 @@ cost where the minimum would keep its luckiest):
 2. ``backward_s``: ``loss.backward()``;
 3. ``optimizer_s``: ``optimizer.step()`` and ``optimizer.zero_grad()``;
 4. the trainable parameters' names, shapes and bytes (gradients are the same bytes), the
-   optimizer's state bytes after a step, and the activation bytes autograd saves for the
-   backward (:class:`~lightning_parallel.pipeline.profile.SavedTensorMeter`);
+   optimizer's state bytes after a step, the activation bytes autograd saves for the
+   backward (:class:`~lightning_parallel.pipeline.profile.SavedTensorMeter`), and the bytes
+   of the module's buffers (what DDP broadcasts before every training forward);
 5. the floating-point operations of the forward and backward (torch's ``FlopCounterMode``:
    matrix products and convolutions), for
    :meth:`~lightning_parallel.plan.profile.StepProfile.on_accelerator`;
@@ -137,6 +138,10 @@ def profile_step(
         parameters=trainable_parameters(module),
         optimizer_state_bytes=optimizer_state_bytes(optimizer),
         activation_bytes=meter.bytes,
+        buffer_bytes=sum(b.numel() * b.element_size() for b in module.buffers()),
+        float_buffer_bytes=sum(
+            b.numel() * b.element_size() for b in module.buffers() if b.is_floating_point()
+        ),
         threads=torch.get_num_threads(),
         flops=float(counter.get_total_flops()),
     )

@@ -74,6 +74,11 @@ class StepProfile:
     parameters: tuple[ParameterShape, ...]
     optimizer_state_bytes: int
     activation_bytes: int
+    #: bytes of the module's buffers (BatchNorm's running statistics and counters, masks):
+    #: what DDP broadcasts from rank 0 before every training forward (``broadcast_buffers``)
+    buffer_bytes: int = 0
+    #: the floating-point share of them: what an averaging round averages with the parameters
+    float_buffer_bytes: int = 0
     trainer_step_s: float | None = None
     base_rss_bytes: float | None = None
     peak_rss_bytes: float | None = None

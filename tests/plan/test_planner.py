@@ -261,3 +261,46 @@ def test_the_pipelines_count_the_validations_inside_the_run() -> None:
         expected = 12 * micro * send(cluster, cut).wire_bytes / 60 / cluster.hosts
         assert counted.wire_bytes_per_step - without.wire_bytes_per_step == pytest.approx(expected)
         assert counted.step_s == without.step_s
+
+
+def test_ddp_broadcasts_the_buffers_before_every_forward_and_averaging_averages_them() -> None:
+    """BatchNorm's statistics: DDP sends rank 0's to every rank each step (waited for, the
+    hosts' mean of a binomial tree's bytes); a round averages the floating-point ones with
+    the parameters in one flat buffer (in full precision beside quantized parameters)."""
+    from dataclasses import replace
+
+    from lightning_parallel.plan.data_parallel import buffer_broadcast
+    from lightning_parallel.plan.network import broadcast
+
+    plain, cluster = _profile(layers=False), _cluster()
+    with_buffers = replace(plain, buffer_bytes=40_000, float_buffer_bytes=38_000)
+    for spec in ("ddp", "ddp_powersgd", "hylo"):
+        before, after = _one(spec, plain, cluster), _one(spec, with_buffers, cluster)
+        sent = buffer_broadcast(cluster, 40_000)
+        assert after.wire_bytes_per_step - before.wire_bytes_per_step == pytest.approx(
+            sent.wire_bytes
+        )
+    # (the low-rank codecs of this hand-made profile are timed at each call: ddp's step alone)
+    before, after = _one("ddp", plain, cluster), _one("ddp", with_buffers, cluster)
+    assert after.step_s - before.step_s == pytest.approx(sent.seconds)
+    # 2 hosts: the root sends the one copy, the other host nothing: half of it a host
+    assert buffer_broadcast(cluster, 40_000).payload_bytes == pytest.approx(20_000)
+    # 8 hosts: 7 copies over 8 hosts, where the root's host sends 3
+    eight = _cluster(hosts=8)
+    assert buffer_broadcast(eight, 8_000).payload_bytes == pytest.approx(7_000)
+    assert broadcast(eight, 8_000).payload_bytes == pytest.approx(24_000)
+    averaging = _one("model_averaging", with_buffers, cluster, algorithm="periodic", period=8)
+    alone = _one("model_averaging", plain, cluster, algorithm="periodic", period=8)
+    grown = all_reduce(cluster, plain.parameter_bytes + 38_000).wire_bytes
+    model = all_reduce(cluster, plain.parameter_bytes).wire_bytes
+    assert averaging.wire_bytes_per_step - alone.wire_bytes_per_step == pytest.approx(
+        (grown - model) / 8
+    )
+    local = _one("model_averaging", with_buffers, cluster, algorithm="periodic", buffers="local")
+    assert local.wire_bytes_per_step == pytest.approx(alone.wire_bytes_per_step)
+    options = {"algorithm": "outer_optimizer", "period": 16, "outer_dtype": "int8"}
+    quantized = _one("diloco:int8", with_buffers, cluster, **options)
+    bare = _one("diloco:int8", plain, cluster, **options)
+    assert quantized.wire_bytes_per_step - bare.wire_bytes_per_step == pytest.approx(
+        all_reduce(cluster, 38_000).wire_bytes / 16
+    )
