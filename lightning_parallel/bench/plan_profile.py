@@ -148,8 +148,8 @@ def profile_module(
             model.to(device)
         hooks = _hook_timings(model, datamodule, device)
     warmup = min(PROFILE_WARMUP_STEPS, max(0, len(probe.step_seconds) - 1))
-    steady = sorted(probe.step_seconds[warmup:])
-    trainer_step = steady[len(steady) // 2] if steady else None
+    steady = probe.step_seconds[warmup:]
+    trainer_step = sorted(steady)[len(steady) // 2] if steady else None
     loader = datamodule.train_dataloader()
     batch = _on(device, next(iter(loader)))
     samples = len(loader.dataset) if hasattr(loader, "dataset") else None
@@ -174,6 +174,9 @@ def profile_module(
         notes={
             "model": type(model).__name__,
             "profile_steps": len(probe.step_seconds),
+            # every timed step (the spread, not only the median: a step that waits for every
+            # replica lasts the slowest replica's)
+            "step_seconds": steady,
             "train_samples": samples,
             "validation_samples": _validation_samples(datamodule),
             "drop_last": bool(getattr(loader, "drop_last", False)),

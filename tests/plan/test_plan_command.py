@@ -55,6 +55,10 @@ def test_plan_profiles_a_class_path_module_once_and_plans_other_clusters(
     assert plot.stat().st_size > 0
     profile = json.loads(kept.read_text())
     assert profile["trainer_step_s"] > 0 and profile["peak_rss_bytes"] > 0
+    # every timed step is kept (the first two are not timed), their median the trainer's step
+    timed = profile["notes"]["step_seconds"]
+    assert len(timed) == profile["notes"]["profile_steps"] - 2
+    assert sorted(timed)[len(timed) // 2] == profile["trainer_step_s"]
     # the same profile planned for another cluster, with no profiling: more bytes per host
     # on a ring of 8 hosts than of 2 (2 (W - 1) / W of the gradients)
     two = predictions_for(profile, ["ddp"], hosts=2, processes_per_host=1,
