@@ -32,8 +32,9 @@ layer dense where the dense bytes cost less link time than its factors and their
 and so does the prediction.
 
 **Buffers.** DDP broadcasts rank 0's buffers (BatchNorm's running statistics) before every
-training forward (``broadcast_buffers``, on by default): one binomial broadcast of the
-profile's ``buffer_bytes``, waited for, in every DDP-based prediction.
+training forward (``broadcast_buffers``, on by default; a SPEC's ``broadcast_buffers=False``
+turns it off): one binomial broadcast of the profile's ``buffer_bytes``, waited for, in every
+DDP-based prediction.
 
 **A shaper's burst.** Where the link is shaped by a token bucket (the simulated hosts), the
 bucket refills while the link idles during the compute, and its burst passes at once: the
@@ -131,13 +132,14 @@ def _finish(
     extra_bytes: float,
     work_s: float = 0.0,
     detail: dict[str, Any] | None = None,
+    buffers: bool = True,
 ) -> Prediction:
     backward_end = profile.backward_s + work_s
     # a shaper's token bucket refilled while the link idled (the compute) passes its burst
     # at once
     credit = cluster.inter.burst_seconds(profile.step_s) if cluster.hosts > 1 else 0.0
     exposed = max(0.0, comm_end - backward_end - credit)
-    if profile.buffer_bytes:
+    if buffers and profile.buffer_bytes:
         # DDP's broadcast of rank 0's buffers before every training forward: nothing to hide
         # it behind
         buffers = buffer_broadcast(cluster, profile.buffer_bytes)
@@ -158,6 +160,12 @@ def _finish(
         samples_per_s=cluster.world * profile.batch_size / step,
         detail=detail or {},
     )
+
+
+def _broadcasts_buffers(options: dict[str, Any]) -> bool:
+    """Whether DDP broadcasts the buffers (``broadcast_buffers``, a DDP keyword the strategies
+    pass on; on by default)."""
+    return bool(options.get("broadcast_buffers", True))
 
 
 def buffer_broadcast(cluster: Cluster, nbytes: float) -> Transfer:
@@ -187,7 +195,10 @@ def predict_ddp(
     bucket_list = buckets(ready_times(profile), factor)
     end = _chain(bucket_list, lambda b: [all_reduce(cluster, b.nbytes)], traffic)
     detail = {"buckets": len(bucket_list)}
-    return _finish(spec, profile, cluster, traffic, end, "ddp", 0.0, detail=detail)
+    return _finish(
+        spec, profile, cluster, traffic, end, "ddp", 0.0, detail=detail,
+        buffers=_broadcasts_buffers(options),
+    )  # fmt: skip
 
 
 def predict_powersgd(
@@ -239,7 +250,10 @@ def predict_powersgd(
         "rank": rank, "compressed_layers": len(compressed), "codec_s": work,
         "serialized": bool(serialized),
     }  # fmt: skip
-    return _finish(spec, profile, cluster, traffic, end, "ddp_powersgd", extra, work, detail)
+    return _finish(
+        spec, profile, cluster, traffic, end, "ddp_powersgd", extra, work, detail,
+        buffers=_broadcasts_buffers(options),
+    )  # fmt: skip
 
 
 def _factor_bytes(parameters: Sequence[ParameterShape], rank: int) -> float:
@@ -309,4 +323,7 @@ def predict_hylo(
     end = profile.backward_s + work + sum(t.seconds for t in rounds)
     extra = EXTRA_PARAMETER_COPIES["hylo"] * profile.parameter_bytes
     detail = {"low_rank_layers": len(low_rank), "rank": rank, "codec_s": work}
-    return _finish(spec, profile, cluster, traffic, end, "hylo", extra, work, detail)
+    return _finish(
+        spec, profile, cluster, traffic, end, "hylo", extra, work, detail,
+        buffers=_broadcasts_buffers(options),
+    )  # fmt: skip

@@ -280,6 +280,8 @@ def test_ddp_broadcasts_the_buffers_before_every_forward_and_averaging_averages_
         assert after.wire_bytes_per_step - before.wire_bytes_per_step == pytest.approx(
             sent.wire_bytes
         )
+    off = _one("ddp", with_buffers, cluster, broadcast_buffers=False)
+    assert off.wire_bytes_per_step == pytest.approx(_one("ddp", plain, cluster).wire_bytes_per_step)
     # (the low-rank codecs of this hand-made profile are timed at each call: ddp's step alone)
     before, after = _one("ddp", plain, cluster), _one("ddp", with_buffers, cluster)
     assert after.step_s - before.step_s == pytest.approx(sent.seconds)
