@@ -142,9 +142,9 @@ def _finish(
     if buffers and profile.buffer_bytes:
         # DDP's broadcast of rank 0's buffers before every training forward: nothing to hide
         # it behind
-        buffers = buffer_broadcast(cluster, profile.buffer_bytes)
-        traffic.add(buffers)
-        exposed += buffers.seconds
+        sync = buffer_broadcast(cluster, profile.buffer_bytes)
+        traffic.add(sync)
+        exposed += sync.seconds
     step = profile.step_s + work_s + exposed
     return Prediction(
         spec=spec,
