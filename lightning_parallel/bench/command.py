@@ -172,12 +172,14 @@ def main(argv: list[str]) -> int:
     warnings.filterwarnings("ignore", "latency .* is NOT emulated", RuntimeWarning)
     warnings.filterwarnings("ignore", "swap is not capped", RuntimeWarning)
     specs = expand_specs(args.spec or ["ddp"])
-    profile = None
+    profile = links = None
     if args.predict:
+        from lightning_parallel.bench.links import probe_hosts
         from lightning_parallel.bench.predicted import take_profile
 
         try:
             profile = take_profile(specs, config)
+            links = probe_hosts(config)
         except RuntimeError as error:
             print(f"error: {error}", file=sys.stderr)
             return 2
@@ -201,8 +203,9 @@ def main(argv: list[str]) -> int:
         from lightning_parallel.bench.predicted import attach, comparison, predict_runs
 
         emulated = bool(result["config"].get("latency_emulated", True))
-        attach(result, predict_runs(profile, specs, config, emulated))
+        attach(result, predict_runs(profile, specs, config, emulated, links))
         result["plan_profile"] = profile  # to plan again from it (plan --from-profile)
+        result["plan_links"] = links  # the links measured on the bench's hosts
         console.print(comparison(result), markup=False, highlight=False)
     if args.json is not None:
         write_json(result, args.json)

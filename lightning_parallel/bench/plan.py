@@ -20,6 +20,10 @@ bench runs them; :mod:`lightning_parallel.bench.plan_profile`):
    pipeline is asked for, the per-layer costs of the chain it would split
    (:func:`lightning_parallel.plan.measure.pipeline_layers`).
 
+``--measure`` takes the hosts and links from the world the plan is launched in instead of the
+arguments (every host starts it, e.g. under ``torchrun``; rank 0 plans): the links' bandwidth
+and latency are fitted from allreduces timed there (:mod:`lightning_parallel.bench.links`).
+
 ``--profile-json`` keeps the profile; ``--from-profile`` plans from a kept one (another
 cluster without profiling again). The strategies' options are the registered defaults merged
 with each SPEC's, as the bench builds them.
@@ -61,6 +65,13 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--intra-bandwidth", default=None, help="between processes of a host")
     parser.add_argument("--intra-latency", default=None)
     parser.add_argument("--hosts-per-link", type=int, default=1, help="hosts sharing an uplink")
+    parser.add_argument(
+        "--measure",
+        action="store_true",
+        help="measure the links (bandwidth, latency) between the processes of the world this "
+        "plan is launched in, e.g. under torchrun on every host, and plan for those hosts: "
+        "rank 0 plans, the other ranks stop after the measurement",
+    )
     parser.add_argument(
         "--framing",
         choices=("veth", "ethernet"),
@@ -232,11 +243,14 @@ def predictions_for(
     latency: str,
     steps: int | None = None,
     burst_bytes: float = 0.0,
+    intra_bandwidth: str | None = None,
+    intra_latency: str | None = None,
 ) -> list[dict[str, Any]]:
     """The predictions (JSON records, fastest first) for ``specs`` from a profile's record on
     the cluster given (no profiling: a plan for another cluster is instant); ``steps``: the
     run's length, whose one-off bytes then count per step as the bench counts them;
-    ``burst_bytes``: the links' token bucket (the bench's simulated hosts)."""
+    ``burst_bytes``: the links' token bucket (the bench's simulated hosts); ``intra_*``: the
+    link inside a host (default: :class:`~lightning_parallel.plan.network.Cluster`'s)."""
     from lightning_parallel.plan.network import Cluster
     from lightning_parallel.plan.planner import predict, ranked
     from lightning_parallel.plan.profile import StepProfile
@@ -244,7 +258,8 @@ def predictions_for(
     strategies = [(text, *strategy_options(text)) for text in specs]
     cluster = Cluster.parse(
         hosts=hosts, processes_per_host=processes_per_host, bandwidth=bandwidth,
-        latency=latency, burst_bytes=burst_bytes,
+        latency=latency, burst_bytes=burst_bytes, intra_bandwidth=intra_bandwidth,
+        intra_latency=intra_latency,
     )  # fmt: skip
     loaded = StepProfile.from_dict(profile)
     run = run_length(loaded, cluster.world, steps)
@@ -275,6 +290,25 @@ def run_length(profile: Any, world: int, steps: int | None) -> Any:
     )
 
 
+def measure_into(args: argparse.Namespace) -> bool:
+    """``--measure``: measure the launched world's links
+    (:func:`~lightning_parallel.bench.links.join_and_measure`) and put its hosts and links in
+    ``args``; whether this rank goes on to plan (rank 0)."""
+    from lightning_parallel.bench.links import join_and_measure, link_texts
+
+    measured = join_and_measure(args.accelerator)
+    if measured is None:
+        return False
+    args.hosts, args.procs_per_host = measured["hosts"], measured["processes_per_host"]
+    inter, intra = link_texts(measured, "inter"), link_texts(measured, "intra")
+    if inter is not None:
+        args.bandwidth, args.latency = inter
+    if intra is not None:
+        args.intra_bandwidth, args.intra_latency = intra
+    args.measured_links = measured
+    return True
+
+
 def run_plan(args: argparse.Namespace) -> dict[str, Any]:
     """Profile (or load a profile), predict, and return the plan's JSON record."""
     from lightning_parallel.plan.planner import DEFAULT_SPECS, predict, ranked, scaling
@@ -298,9 +332,12 @@ def run_plan(args: argparse.Namespace) -> dict[str, Any]:
         "cluster": {
             "hosts": cluster.hosts, "processes_per_host": cluster.processes_per_host,
             "bandwidth": args.bandwidth, "latency": args.latency, "straggler": args.straggler,
+            "intra_bandwidth": args.intra_bandwidth, "intra_latency": args.intra_latency,
+            # --measure: the probe's timings and fits
+            "measured": getattr(args, "measured_links", None),
         },
-        "model": args.model,
-        "batch_size": args.batch_size,
+        "model": profile.notes.get("model", args.model),
+        "batch_size": profile.batch_size,
         "compute": f"measured on this machine's {profile.notes.get('accelerator', 'cpu')}"
         if args.accelerator_tflops is None
         else f"predicted: {args.accelerator_tflops:g} TFLOP/s at {args.utilization:.0%}",
@@ -356,6 +393,8 @@ def main(argv: list[str]) -> int:
 
     args = _parser().parse_args(argv)
     try:
+        if args.measure and not measure_into(args):
+            return 0  # a rank other than 0: its part was the measurement
         record = run_plan(args)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)

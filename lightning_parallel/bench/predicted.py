@@ -13,8 +13,12 @@ and its predictions go into each run's ``extra`` (BENCH.md's ``extra`` takes mor
   ``samples_per_s``; what the plan ranks by);
 - ``predicted_refused``: why the plan expects the strategy to refuse, else null.
 
-``--network local`` has no shaped link: the plan takes loopback as :data:`LOOPBACK` (a fast
-link with no latency), and the bench counts no bytes there.
+Before the runs, too, the links are measured on the bench's own hosts
+(:func:`~lightning_parallel.bench.links.probe_hosts`): the prediction takes their latency (what
+a collective costs beyond its bytes, gloo's own time included, which ``tc`` does not set) and,
+on ``--network local``, loopback's bandwidth; the JSON keeps the measurement as
+``plan_links``. ``--network local`` has no shaped link and the bench counts no bytes there;
+without a measurement the plan takes loopback as :data:`LOOPBACK`.
 """
 
 from __future__ import annotations
@@ -72,27 +76,43 @@ def take_profile(specs: list[str], config: BenchConfig) -> dict[str, Any]:
 
 
 def predict_runs(
-    profile: dict[str, Any], specs: list[str], config: BenchConfig, latency_emulated: bool
+    profile: dict[str, Any],
+    specs: list[str],
+    config: BenchConfig,
+    latency_emulated: bool,
+    links: dict[str, Any] | None = None,
 ) -> dict[str, dict[str, Any]]:
-    """The plan's prediction for each SPEC, by SPEC text, on the cluster the runs had: without
-    emulated latency (no netem qdisc in this kernel) the links had none; the simulated hosts'
-    token bucket lets its burst through at once after the link idled."""
+    """The plan's prediction for each SPEC, by SPEC text, on the cluster the runs had.
+
+    With ``links`` (the probe's measurement on the bench's hosts,
+    :func:`~lightning_parallel.bench.links.probe_hosts`) the links' latencies are the measured
+    ones, and so is loopback's bandwidth; a shaped link keeps its configured rate. Without,
+    the configured link, whose latency counts only where it was emulated (this kernel has no
+    netem qdisc). The simulated hosts' token bucket lets its burst through at once after the
+    link idled."""
+    from lightning_parallel.bench.links import link_texts
     from lightning_parallel.bench.plan import predictions_for
     from lightning_parallel.cluster.network import token_bucket_burst_bytes
     from lightning_parallel.cluster.units import parse_bandwidth
 
-    bandwidth, latency = (
-        LOOPBACK if config.network == "local" else (config.bandwidth, config.latency)
-    )
+    local = config.network == "local"
+    bandwidth, latency = LOOPBACK if local else (config.bandwidth, config.latency)
     if not latency_emulated:
         latency = "0"
+    intra: tuple[str, str] | None = None
+    if links is not None:
+        inter = link_texts(links, "inter")
+        if inter is not None:
+            bandwidth, latency = (inter[0] if local else bandwidth), inter[1]
+        intra = link_texts(links, "intra")
     burst = 0.0
-    if config.network != "local":
+    if not local:
         burst = float(token_bucket_burst_bytes(parse_bandwidth(bandwidth)))
     record = predictions_for(
         profile, specs, hosts=config.hosts, processes_per_host=config.procs_per_host,
         bandwidth=bandwidth, latency=latency, steps=run_steps(profile, config),
         burst_bytes=burst,
+        intra_bandwidth=intra[0] if intra else None, intra_latency=intra[1] if intra else None,
     )  # fmt: skip
     return {p["spec"]: p for p in record}
 
@@ -130,7 +150,7 @@ def attach(result: dict[str, Any], predictions: dict[str, dict[str, Any]]) -> No
 
 
 def _ratio(predicted: float | None, measured: float | None) -> str:
-    if not predicted or not measured:
+    if not predicted or not measured or predicted != predicted:  # none, zero or NaN
         return "-"
     return f"{(predicted - measured) / measured:+.0%}"
 
