@@ -69,9 +69,16 @@ def predict(
     ``run``: the run whose bytes per step are predicted (default: the steady state).
     ``straggler``: one worker computes this many times slower; it paces every synchronous
     strategy (each step, or each averaging step through the per-step loss all-reduce, waits
-    for it) and only itself on the parameter server."""
+    for it) and only itself on the parameter server.
+
+    Without a straggler the synchronous strategies still wait, every step, for the slowest of
+    their replicas: their compute is the median of the slowest of ``W`` steps drawn from the
+    profile's (:meth:`~lightning_parallel.plan.profile.StepProfile.slowest_replica_factor`);
+    a straggler slower than that paces them instead. The parameter server's workers wait for
+    no one."""
     out = []
-    slowed = profile.scaled(straggler) if straggler != 1.0 else profile
+    pace = max(straggler, profile.slowest_replica_factor(cluster.world))
+    slowed = profile.scaled(pace) if pace != 1.0 else profile
     for text, name, options in strategies:
         predictor = PREDICTORS.get(name)
         if predictor is None:

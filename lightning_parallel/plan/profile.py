@@ -184,6 +184,23 @@ class StepProfile:
             notes={**self.notes, "accelerator_flops_per_second": flops_per_second},
         )
 
+    def slowest_replica_factor(self, replicas: int) -> float:
+        """How much longer a step that waits for ``replicas`` replicas lasts than one replica's
+        median step, from the spread of the profile's timed steps (``notes["step_seconds"]``).
+
+        Each replica's step is a draw from the same distribution ``F``; the step that waits
+        for all of them lasts their maximum, whose median is ``F⁻¹(0.5^(1/R))`` (``P(max ≤ x)
+        = F(x)^R``): for 2 replicas the 71st percentile, for 8 the 92nd. The factor is that
+        quantile over the median (quantiles interpolated between the sorted steps; past the
+        slowest step seen, the slowest). 1 without the steps, for one replica, and for compute
+        carried to an accelerator (:meth:`on_accelerator`: this machine's spread says nothing
+        of the device's)."""
+        steps = sorted(float(s) for s in self.notes.get("step_seconds") or ())
+        if replicas < 2 or len(steps) < 2 or "accelerator_flops_per_second" in self.notes:
+            return 1.0
+        median = _quantile(steps, 0.5)
+        return max(1.0, _quantile(steps, 0.5 ** (1.0 / replicas)) / median) if median > 0 else 1.0
+
     def layers_at(self, micro_batch: int) -> LayerProfile | None:
         """The layer profile at ``micro_batch`` samples, or the nearest one scaled to it
         (times and activation/output bytes in proportion to the samples)."""
@@ -227,6 +244,14 @@ class StepProfile:
             for p in values.get("layer_profiles", ())
         )
         return cls(**values)
+
+
+def _quantile(ordered: Sequence[float], q: float) -> float:
+    """The ``q`` quantile of ascending ``ordered``, linear between neighbours."""
+    position = q * (len(ordered) - 1)
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
 def codec_key(shape: Sequence[int], rank: int, order: str = PLAIN) -> str:

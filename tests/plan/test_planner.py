@@ -200,6 +200,38 @@ def test_a_straggler_paces_synchronous_steps_but_only_itself_on_the_parameter_se
     assert ps.samples_per_s > 0.8 * even["parameter_server"].samples_per_s
 
 
+def test_synchronous_steps_wait_for_the_slowest_replica_of_the_profile_s_spread() -> None:
+    from dataclasses import replace
+
+    # 101 timed steps of 100 to 200 ms: the median 150 ms; the slowest of 2 replicas has its
+    # median at the 0.5^(1/2) = 70.7% quantile, 170.7 ms; of 8 at the 91.7% quantile
+    steps = [0.100 + 0.001 * i for i in range(101)]
+    profile = replace(_profile(layers=False), notes={"step_seconds": steps}, flops=1e9)
+    assert profile.slowest_replica_factor(2) == pytest.approx(0.17071 / 0.150, rel=1e-3)
+    assert profile.slowest_replica_factor(8) == pytest.approx(0.19170 / 0.150, rel=1e-3)
+    assert profile.slowest_replica_factor(1) == 1.0
+    assert _profile().slowest_replica_factor(8) == 1.0  # no steps kept: no spread known
+    carried = profile.on_accelerator(1e12)  # this machine's spread says nothing of a GPU's
+    assert carried.slowest_replica_factor(8) == 1.0
+    strategies = [("ddp", "ddp", {}), ("parameter_server", "parameter_server", {})]
+    cluster = _cluster("100gbit", hosts=2)
+    plain = {p.spec: p for p in predict(replace(profile, notes={}), cluster, strategies)}
+    spread = {p.spec: p for p in predict(profile, cluster, strategies)}
+    factor = profile.slowest_replica_factor(2)
+    assert spread["ddp"].compute_s == pytest.approx(
+        plain["ddp"].compute_s + (factor - 1) * profile.compute_s, rel=1e-6
+    )
+    # the parameter server's workers wait for no one
+    assert spread["parameter_server"].step_s == pytest.approx(
+        plain["parameter_server"].step_s, rel=1e-6
+    )
+    # a straggler slower than the spread paces the step instead (not both at once)
+    slow = {p.spec: p for p in predict(profile, cluster, strategies, straggler=3.0)}
+    assert slow["ddp"].compute_s == pytest.approx(
+        plain["ddp"].compute_s + 2 * profile.compute_s, rel=1e-6
+    )
+
+
 def _tied(profile: StepProfile) -> StepProfile:
     """``profile`` with its first and last layers sharing one 1 MB tensor (an embedding and the
     head that reuses it): 3 MB of parameters, each layer's bytes still counting it."""
