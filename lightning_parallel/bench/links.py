@@ -49,11 +49,13 @@ def join_and_measure(accelerator: str = "cpu") -> dict[str, Any] | None:
     import torch
     import torch.distributed as dist
 
-    from lightning_parallel.plan.link_probe import measure_links
+    from lightning_parallel.plan.link_probe import PROBE_TIMEOUT, measure_links
 
     use_cuda = accelerator == "cuda" and torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if use_cuda else None
-    dist.init_process_group("nccl" if use_cuda else "gloo")
+    if device is not None:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=PROBE_TIMEOUT)
     try:
         measured = measure_links(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), device)
         return measured.as_dict() if dist.get_rank() == 0 else None

@@ -40,11 +40,13 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from lightning_parallel.comm.groups import new_group
 from lightning_parallel.plan.network import VETH, Framing
 
 __all__: list[str] = []
@@ -61,6 +63,8 @@ LARGE_MIN_RATIO = 8.0
 LARGE_MIN_SECONDS = 0.02
 #: the large allreduce never exceeds this many bytes
 LARGE_MAX_BYTES = 64 * 2**20
+#: how long the probe's process groups wait for a peer (a dead host ends it, never hangs it)
+PROBE_TIMEOUT = timedelta(minutes=5)
 
 
 @dataclass(frozen=True)
@@ -201,7 +205,10 @@ def measure_links(
     intra = None
     if processes_per_host > 1:
         groups = [
-            dist.new_group(list(range(h * processes_per_host, (h + 1) * processes_per_host)))
+            new_group(
+                list(range(h * processes_per_host, (h + 1) * processes_per_host)),
+                timeout=PROBE_TIMEOUT,
+            )
             for h in range(hosts)
         ]
         if dist.get_rank() < processes_per_host:
@@ -218,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m lightning_parallel.plan.link_probe OUT.json", file=sys.stderr)
         return 2
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    dist.init_process_group("gloo", timeout=PROBE_TIMEOUT)
     try:
         measured = measure_links(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         if dist.get_rank() == 0:
