@@ -48,11 +48,20 @@ class LayerCost:
     activation_bytes: int
     output_bytes: int
     parameter_bytes: int
+    #: bytes of the output's floating-point tensors: the gradients that come back over a cut
+    #: after this layer (an integer output, token ids, gets none). ``None``: not measured (a
+    #: profile from before it was), taken as ``output_bytes``
+    gradient_bytes: int | None = None
 
     @property
     def seconds(self) -> float:
         """Forward plus backward time."""
         return self.forward_seconds + self.backward_seconds
+
+    @property
+    def backward_bytes(self) -> int:
+        """Bytes of the gradients that cross a cut after this layer, backward."""
+        return self.output_bytes if self.gradient_bytes is None else self.gradient_bytes
 
 
 @dataclass(frozen=True)
@@ -80,6 +89,11 @@ def tensors_of(value: Any) -> list[torch.Tensor]:
 def nbytes(value: Any) -> int:
     """Bytes of the tensors in ``value``."""
     return sum(t.numel() * t.element_size() for t in tensors_of(value))
+
+
+def floating_nbytes(value: Any) -> int:
+    """Bytes of the floating-point tensors in ``value`` (those a gradient can come back to)."""
+    return sum(t.numel() * t.element_size() for t in tensors_of(value) if t.is_floating_point())
 
 
 def received_input(value: Any) -> Any:
@@ -243,6 +257,7 @@ def profile_layers(
                     activation_bytes=meter.bytes,
                     output_bytes=nbytes(output),
                     parameter_bytes=sum(p.numel() * p.element_size() for p in layer_parameters),
+                    gradient_bytes=floating_nbytes(output),
                 )
             )
             current = output
@@ -268,6 +283,7 @@ def mean_profile(profiles: Sequence[ModelProfile]) -> ModelProfile:
             activation_bytes=layer.activation_bytes,
             output_bytes=layer.output_bytes,
             parameter_bytes=layer.parameter_bytes,
+            gradient_bytes=layer.gradient_bytes,
         )
         for i, layer in enumerate(first.layers)
     )
@@ -358,6 +374,7 @@ def estimate_layers(layers: Sequence[nn.Module], example_args: tuple[Any, ...]) 
                 activation_bytes=activation,
                 output_bytes=nbytes(output),
                 parameter_bytes=sum(p.numel() * p.element_size() for p in layer.parameters()),
+                gradient_bytes=floating_nbytes(output),
             )
         )
         current = output

@@ -29,6 +29,10 @@ gradients are all-reduced among the stage's replicas before its update, inside `
 On the sleeping test model of 4 layers: 0.171 s measured, where the slowest stage alone would
 say 0.142 s; of 2 layers (0.15/0.3 s): 0.611 s measured, 0.610 s predicted.
 
+**Bytes over a cut**: the activations forward, and back only the gradients of its
+floating-point tensors (:attr:`~lightning_parallel.pipeline.profile.LayerCost.backward_bytes`):
+a cut after a layer that passes token ids on (``gpt``'s first) carries nothing back.
+
 **Tied weights** (a language model's head that reuses its embedding, in the first and the
 last stage): every stage using the tensor keeps a copy (:mod:`~lightning_parallel.pipeline.tied`).
 GroPipe sums the copies' gradients over those stages once a step, blocking; SpecTrain sums
@@ -217,15 +221,17 @@ def predict_gropipe(
             traffic.add(transfer, times=1.0 / stages, waited=False)
             exposed_sync = max(exposed_sync, transfer.seconds - k * slot)
     cut_bytes = [float(layers.layers[b - 1].output_bytes) for b in plan.boundaries]
+    back_bytes = [float(layers.layers[b - 1].backward_bytes) for b in plan.boundaries]
     if crosses_hosts:
         # stage k sends activations forward over its output cut and gradients back over its
-        # input cut, one of each per micro-batch; hosts' mean
+        # input cut (none over integer tensors), one of each per micro-batch; hosts' mean
         sent = [
-            micro * ((cut_bytes[k] if k < stages - 1 else 0.0) + (cut_bytes[k - 1] if k else 0.0))
+            micro * ((cut_bytes[k] if k < stages - 1 else 0.0) + (back_bytes[k - 1] if k else 0.0))
             for k in range(stages)
         ]
         for nbytes in sent:
-            traffic.add(send(cluster, nbytes / micro), times=micro / stages, waited=False)
+            if nbytes:  # a last stage behind an integer cut sends nothing
+                traffic.add(send(cluster, nbytes / micro), times=micro / stages, waited=False)
         _validation_traffic(traffic, cluster, run, groups, profile.batch_size, micro, cut_bytes)
     # a tied tensor's gradient is summed over the stages holding it once a step, after the
     # stages' own gradients (blocking); hosts' mean: each holder sends its share
@@ -313,16 +319,20 @@ def predict_spectrain(
         for t, s, reduce in zip(plan.stage_seconds, share, sync)
     ]
     cut_bytes = [float(layers.layers[b - 1].output_bytes) for b in plan.boundaries]
+    back_bytes = [float(layers.layers[b - 1].backward_bytes) for b in plan.boundaries]
     transfer_s = 0.0
     pipeline = _pipeline_cluster(cluster, stages)
     crossing = []
-    for nbytes in cut_bytes:
+    for nbytes, back in zip(cut_bytes, back_bytes):
         transfer = send(pipeline, nbytes)
         crossing.append(transfer.seconds)
         transfer_s = max(transfer_s, micro * transfer.seconds)
         if crosses_hosts:
-            # one activation forward and one gradient back per micro-batch, on two hosts
-            traffic.add(transfer, times=2.0 * micro / stages, waited=False)
+            # one activation forward and one gradient back (none over integer tensors) per
+            # micro-batch, on two hosts
+            traffic.add(transfer, times=micro / stages, waited=False)
+            if back:
+                traffic.add(send(pipeline, back), times=micro / stages, waited=False)
     if crosses_hosts:
         _validation_traffic(traffic, cluster, run, groups, profile.batch_size, micro, cut_bytes)
     # a tied tensor at every update: its gradient summed over the holders and the owner's value

@@ -217,6 +217,9 @@ class StepProfile:
                 backward_seconds=cost.backward_seconds * scale,
                 activation_bytes=int(cost.activation_bytes * scale),
                 output_bytes=int(cost.output_bytes * scale),
+                gradient_bytes=None
+                if cost.gradient_bytes is None
+                else int(cost.gradient_bytes * scale),
             )
             for cost in nearest.layers
         )

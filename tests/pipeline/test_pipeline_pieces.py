@@ -124,6 +124,21 @@ def test_profile_measures_and_leaves_the_model_untouched() -> None:
     assert all(c.forward_seconds > 0 and c.backward_seconds >= 0 for c in small.layers)
 
 
+def test_profile_counts_no_gradient_back_over_integer_outputs() -> None:
+    class TokenIds(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x.clamp(0, 9).long()
+
+    layers = [TokenIds(), nn.Embedding(10, 8), nn.Linear(8, 2)]
+    profile = profile_layers(layers, (torch.randint(0, 10, (4, 6)).float(),), repeats=1)
+    ids, embedded = profile.layers[0], profile.layers[1]
+    # the ids cross a cut forward; no gradient comes back over them
+    assert ids.output_bytes == 4 * 6 * 8 and ids.gradient_bytes == ids.backward_bytes == 0
+    assert (
+        embedded.gradient_bytes == embedded.backward_bytes == embedded.output_bytes == 4 * 6 * 8 * 4
+    )
+
+
 def test_deferred_batch_norm_has_whole_mini_batch_running_statistics() -> None:
     torch.manual_seed(0)
     plain = nn.Sequential(nn.BatchNorm1d(3, momentum=0.3))

@@ -338,3 +338,27 @@ def test_ddp_broadcasts_the_buffers_before_every_forward_and_averaging_averages_
     assert quantized.wire_bytes_per_step - bare.wire_bytes_per_step == pytest.approx(
         all_reduce(cluster, 38_000).wire_bytes / 16
     )
+
+
+def test_no_gradient_comes_back_over_a_cut_after_integer_outputs() -> None:
+    """A cut after a layer that passes token ids on (``gpt``'s first) carries activations
+    forward and nothing back: the runtime sends gradients only for floating-point tensors."""
+    from dataclasses import replace
+
+    def integer_cut(layers: LayerProfile) -> LayerProfile:
+        # the 4 equal layers split 2 + 2: the cut is after layer 1
+        costs = list(layers.layers)
+        costs[1] = replace(costs[1], gradient_bytes=0)
+        return replace(layers, layers=tuple(costs))
+
+    floating = _profile()
+    integer = replace(floating, layer_profiles=tuple(map(integer_cut, floating.layer_profiles)))
+    cluster = _cluster("1gbit")
+    for spec, micro, output in (("gropipe", 4, 16_000), ("spectrain", 1, 64_000)):
+        both, forward_only = _one(spec, floating, cluster), _one(spec, integer, cluster)
+        assert both.detail["boundaries"] == forward_only.detail["boundaries"] == [2]
+        # per step and host (the mean of 2): one gradient of `output` bytes a micro-batch
+        back = send(cluster, output).wire_bytes * micro / 2
+        assert both.wire_bytes_per_step - forward_only.wire_bytes_per_step == pytest.approx(
+            back, rel=1e-6
+        ), spec
