@@ -11,7 +11,9 @@ and its predictions go into each run's ``extra`` (BENCH.md's ``extra`` takes mor
   ``wire_bytes_per_step``);
 - ``predicted_samples_per_s``: samples per second of the whole cluster (against
   ``samples_per_s``; what the plan ranks by);
-- ``predicted_refused``: why the plan expects the strategy to refuse, else null.
+- ``predicted_refused``: why the plan expects the strategy to refuse, else null;
+- ``predicted_boundaries``: a pipeline's cut as the plan expects the partition to choose it
+  (against ``extra.boundaries``, the cut the run took: where they differ, so do the bytes).
 
 Before the runs, too, the links are measured on the bench's own hosts
 (:func:`~lightning_parallel.bench.links.probe_hosts`): the prediction takes their latency (what
@@ -145,6 +147,8 @@ def attach(result: dict[str, Any], predictions: dict[str, dict[str, Any]]) -> No
                 "predicted_wire_bytes_per_step": predicted["wire_bytes_per_step"],
                 "predicted_samples_per_s": predicted["samples_per_s"],
                 "predicted_refused": predicted["refused"],
+                # a pipeline's cut as the plan expects the partition to choose it
+                "predicted_boundaries": (predicted.get("detail") or {}).get("boundaries"),
             }
         )
 
@@ -175,9 +179,18 @@ def comparison(result: dict[str, Any]) -> str:
             f"{_num(p_step, 3):>8}/{_num(step, 3):<9} {_ratio(p_step, step):>6} "
             f"{_num(p_wire and p_wire / 1e6, 3):>9}/{_num(wire and wire / 1e6, 3):<9} "
             f"{_ratio(p_wire, wire):>6} "
-            f"{_num(p_peak, 0):>8}/{_num(peak, 0):<9} {_ratio(p_peak, peak):>6}"
+            f"{_num(p_peak, 0):>8}/{_num(peak, 0):<9} {_ratio(p_peak, peak):>6}" + _cut_note(extra)
         )
     return "\n".join(lines)
+
+
+def _cut_note(extra: dict[str, Any]) -> str:
+    """A note where a pipeline's run took another cut than the plan expected (its bytes then
+    differ for that reason, not the laws')."""
+    taken, expected = extra.get("boundaries"), extra.get("predicted_boundaries")
+    if taken is None or expected is None or list(taken) == list(expected):
+        return ""
+    return f"  (cut at {list(taken)}, the plan's at {list(expected)})"
 
 
 def _num(value: float | None, digits: int) -> str:

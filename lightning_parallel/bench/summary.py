@@ -160,6 +160,7 @@ def summarize(
             "parameters": lead["parameters"],
             "strategy_class": lead["strategy_class"],
             "comm_hook_calls": lead.get("hook_calls"),
+            "boundaries": lead.get("boundaries"),
             "straggler_delay_s": max(r["straggler_delay_s"] for r in records),
             "torch_threads": max(r["torch_threads"] for r in records),
             "per_rank": per_rank,

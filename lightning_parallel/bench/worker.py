@@ -377,6 +377,8 @@ def train(args: argparse.Namespace, progress: _Progress | None = None) -> dict[s
         "parameters": sum(p.numel() for p in model.parameters()),
         "gauges": gauges,
         "hook_calls": getattr(trainer.strategy, "hook_calls", None),
+        # a pipeline's cut, as its partition (and trial) chose it
+        "boundaries": getattr(trainer.strategy, "boundaries", None),
         "straggler_delay_s": straggler.delayed_seconds if straggler else 0.0,
         "torch_threads": torch.get_num_threads(),
         "peak_rss_mb": probe.train_peak_rss_mb or _peak_rss_mb(),

@@ -200,6 +200,11 @@ class PipelineStrategyBase(PipelineEvaluation):
         return max(self.world_size // self.stages, 1)
 
     @property
+    def boundaries(self) -> list[int] | None:
+        """The layer index where each stage after the first starts, once chosen (setup)."""
+        return None if self._boundaries is None else list(self._boundaries)
+
+    @property
     def _placement(self) -> PipelineTopology:
         # groups * stages is always a valid world size: usable before the processes exist
         return self.topology_kind(self.groups * self.stages, self.stages, self.placement)

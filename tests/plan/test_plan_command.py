@@ -106,13 +106,26 @@ def test_the_comparison_prints_predicted_beside_measured():
              "wire_bytes_per_step": 2e6, "peak_rss_mb": 500.0, "extra": {}},
             {"spec": "hylo", "ok": False, "step_time_s": None, "wire_bytes_per_step": None,
              "peak_rss_mb": None, "extra": {}},
+            {"spec": "diloco", "ok": True, "step_time_s": {"median": 1.0},
+             "wire_bytes_per_step": None, "peak_rss_mb": 500.0, "extra": {}},
+            {"spec": "gropipe", "ok": True, "step_time_s": {"median": 1.0},
+             "wire_bytes_per_step": 1e6, "peak_rss_mb": 500.0, "extra": {"boundaries": [5]}},
         ]
     }  # fmt: skip
     prediction = {"step_s": 1.1, "mean_step_s": 1.2, "peak_rss_mb": 450.0,
                   "wire_bytes_per_step": 2e6, "samples_per_s": 64.0, "refused": None}  # fmt: skip
-    predicted.attach(result, {"ddp": prediction})
+    nan = float("nan")  # a refusal's figures (a world of one process has nothing to plan)
+    refusal = {"step_s": nan, "mean_step_s": nan, "peak_rss_mb": None, "samples_per_s": nan,
+               "wire_bytes_per_step": nan, "refused": "a cluster of one process"}  # fmt: skip
+    cut = {**prediction, "detail": {"boundaries": [3]}}
+    predicted.attach(result, {"ddp": prediction, "diloco": refusal, "gropipe": cut})
     extra = result["runs"][0]["extra"]
     assert extra["predicted_step_s"] == 1.1 and extra["predicted_peak_rss_mb"] == 450.0
     assert "predicted_step_s" not in result["runs"][1]["extra"]
     table = predicted.comparison(result)
     assert "+10%" in table and "-10%" in table and "hylo" not in table
+    assert "nan" not in table
+    # a pipeline that cut elsewhere than the plan expected says so beside its bytes
+    assert result["runs"][3]["extra"]["predicted_boundaries"] == [3]
+    assert "(cut at [5], the plan's at [3])" in table
+    assert table.count("cut at") == 1

@@ -53,4 +53,8 @@ def test_every_family_is_predicted_within_five_percent(tmp_path, monkeypatch):
         measured = run["step_time_s"]["median"]
         errors[run["spec"]] = (predicted - measured) / measured
     assert sorted(errors) == sorted(FAMILIES)
+    # the pipelines cut where the plan expected: 4 equal layers, two stages of two
+    for run in runs:
+        if run["spec"] in ("gropipe", "spectrain"):
+            assert run["extra"]["boundaries"] == run["extra"]["predicted_boundaries"] == [2]
     assert all(abs(error) <= 0.05 for error in errors.values()), errors
