@@ -20,7 +20,6 @@ import json
 import os
 import sys
 import tempfile
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -71,24 +70,18 @@ def probe_hosts(config: Any) -> dict[str, Any] | None:
     Raises:
         RuntimeError: the probe failed (its output's tail in the message).
     """
+    from lightning_parallel.bench.runner import bench_hosts, master_port
     from lightning_parallel.cluster.launcher import run_on_hosts
-    from lightning_parallel.cluster.local import LocalHosts, free_port
-    from lightning_parallel.cluster.network import SimulatedNetwork
 
     if config.hosts * config.procs_per_host < 2:
         return None
     with tempfile.TemporaryDirectory(prefix="lp-links-") as directory:
         output = Path(directory) / "links.json"
         command = [sys.executable, "-m", "lightning_parallel.plan.link_probe", str(output)]
-        with (
-            SimulatedNetwork(config.hosts, config.bandwidth, config.latency)
-            if config.network == "netns"
-            else nullcontext(LocalHosts(config.hosts))
-        ) as network:
+        with bench_hosts(config) as network:
             result = run_on_hosts(
                 network, command, procs_per_host=config.procs_per_host, quiet=True,
-                timeout=300.0,
-                master_port=29500 if config.network == "netns" else free_port(),
+                timeout=300.0, master_port=master_port(config),
             )  # fmt: skip
         if result.returncode != 0 or not output.exists():
             tail = "\n".join(result.tail[-12:])

@@ -37,7 +37,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -157,6 +157,20 @@ NETWORKS = ("netns", "local")  # simulated hosts behind shaped links, or process
 PROGRESS_EVERY_S = 10.0
 
 
+def bench_hosts(config: BenchConfig) -> AbstractContextManager[Any]:
+    """The hosts of one run, fresh: a :class:`~lightning_parallel.cluster.SimulatedNetwork`
+    (``network="netns"``) or :class:`~lightning_parallel.cluster.LocalHosts` on loopback."""
+    if config.network == "netns":
+        return SimulatedNetwork(config.hosts, config.bandwidth, config.latency)
+    return nullcontext(LocalHosts(config.hosts))
+
+
+def master_port(config: BenchConfig) -> int:
+    """The rendezvous port of a run on :func:`bench_hosts`: a fixed one inside the namespaces,
+    a free one on loopback (which other processes share)."""
+    return 29500 if config.network == "netns" else free_port()
+
+
 def run_spec(spec: str, config: BenchConfig, log_dir: Path) -> dict[str, Any]:
     """Train under ``spec`` on a fresh simulated cluster; the run's BENCH.md record."""
     started = time.perf_counter()
@@ -174,11 +188,7 @@ def run_spec(spec: str, config: BenchConfig, log_dir: Path) -> dict[str, Any]:
         faults = [parse_fault(text) for text in config.faults]
         timeout_s = spec_timeout_s(spec)
         with (
-            (
-                SimulatedNetwork(config.hosts, config.bandwidth, config.latency)
-                if config.network == "netns"
-                else nullcontext(LocalHosts(config.hosts))
-            ) as network,
+            bench_hosts(config) as network,
             (
                 MemoryCaps(network.prefix, config.hosts, config.memory_per_host)
                 if config.memory_per_host is not None
@@ -195,7 +205,7 @@ def run_spec(spec: str, config: BenchConfig, log_dir: Path) -> dict[str, Any]:
                 faults=faults,
                 hang_after=timeout_s + HANG_MARGIN_S if faults else None,
                 memory=memory,
-                master_port=29500 if config.network == "netns" else free_port(),
+                master_port=master_port(config),
             )
             latency_emulated = network.latency_emulated
         records = [json.loads(path.read_text()) for path in sorted(output.glob("rank*.json"))]
