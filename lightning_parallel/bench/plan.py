@@ -386,6 +386,24 @@ def plot(record: dict[str, Any], path: Path) -> None:
     plt.close(figure)
 
 
+def links_text(cluster: dict[str, Any]) -> str:
+    """The cluster of a plan's record in words, with only the links its processes use: between
+    hosts where there are 2 or more, inside a host where a host runs 2 processes or more (the
+    given or measured link, else :data:`~lightning_parallel.plan.network.INTRA_HOST`)."""
+    from lightning_parallel.plan.network import INTRA_HOST
+
+    hosts, per_host = int(cluster["hosts"]), int(cluster["processes_per_host"])
+    text = f"{hosts} host{'s' if hosts != 1 else ''} x {per_host}"
+    links = []
+    if hosts > 1:
+        links.append(f"between hosts {cluster['bandwidth']}, {cluster['latency']}")
+    if per_host > 1:
+        bandwidth = cluster.get("intra_bandwidth") or INTRA_HOST[0]
+        latency = cluster.get("intra_latency") or INTRA_HOST[1]
+        links.append(f"inside a host {bandwidth}, {latency}")
+    return f"{text} ({'; '.join(links)})" if links else text
+
+
 def main(argv: list[str]) -> int:
     """Parse ``argv`` (after ``plan``), plan, print the ranked table; 0 on success."""
     from lightning_parallel.plan.planner import table
@@ -403,8 +421,7 @@ def main(argv: list[str]) -> int:
     cluster = record["cluster"]
     print(
         f"plan for {record['model']} (batch {record['batch_size']} per process) on "
-        f"{cluster['hosts']} hosts x {cluster['processes_per_host']} at {cluster['bandwidth']}, "
-        f"{cluster['latency']}: predictions, fastest first"
+        f"{links_text(cluster)}: predictions, fastest first"
     )
     print(table(predictions))
     if args.json is not None:

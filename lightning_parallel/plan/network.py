@@ -119,6 +119,10 @@ class Link:
         return min(self.burst_bytes, max(0.0, idle_s) * rate) / rate
 
 
+INTRA_HOST = ("80gbit", "5us")
+"""The link inside a host where none is given or measured (10 GB/s, 5 us)."""
+
+
 @dataclass(frozen=True)
 class Cluster:
     """``hosts`` machines of ``processes_per_host`` ranks, joined by ``inter`` links.
@@ -130,7 +134,9 @@ class Cluster:
     hosts: int
     processes_per_host: int = 1
     inter: Link = field(default_factory=lambda: Link(1e9, 0.0))
-    intra: Link = field(default_factory=lambda: Link(80e9, 5e-6))  # 10 GB/s, 5 us
+    intra: Link = field(
+        default_factory=lambda: Link(parse_bandwidth(INTRA_HOST[0]), parse_latency(INTRA_HOST[1]))
+    )
     hosts_per_link: int = 1
     framing: Framing = VETH
 
@@ -167,10 +173,9 @@ class Cluster:
         Raises:
             ValueError: a rate or delay not understood (the message gives the units).
         """
-        default = Link(80e9, 5e-6)
         intra = Link(
-            parse_bandwidth(intra_bandwidth) if intra_bandwidth else default.bandwidth,
-            parse_latency(intra_latency) if intra_latency else default.latency,
+            parse_bandwidth(intra_bandwidth or INTRA_HOST[0]),
+            parse_latency(intra_latency or INTRA_HOST[1]),
         )
         inter = Link(parse_bandwidth(bandwidth), parse_latency(latency), burst_bytes)
         return cls(hosts, processes_per_host, inter, intra, hosts_per_link)

@@ -59,6 +59,16 @@ def test_measured_links_become_the_texts_a_cluster_parses():
     assert link_texts(measured, "intra") is None
 
 
+def test_the_plan_s_header_names_only_the_links_its_processes_use():
+    one_host = {"hosts": 1, "processes_per_host": 2, "bandwidth": "1gbit", "latency": "1ms"}
+    # one host: no inter-host link to print, the intra-host default named by its values
+    assert plan_module.links_text(one_host) == "1 host x 2 (inside a host 80gbit, 5us)"
+    measured = {**one_host, "intra_bandwidth": "7.93gbit", "intra_latency": "1000us"}
+    assert "inside a host 7.93gbit, 1000us" in plan_module.links_text(measured)
+    two_hosts = {**one_host, "hosts": 2, "processes_per_host": 1}
+    assert plan_module.links_text(two_hosts) == "2 hosts x 1 (between hosts 1gbit, 1ms)"
+
+
 def test_measure_names_the_launcher_outside_a_launched_world(monkeypatch):
     for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)

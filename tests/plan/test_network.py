@@ -127,7 +127,7 @@ def test_cluster_parse_and_validation():
     cluster = Cluster.parse(4, 2, "100mbit", "1ms", intra_bandwidth="10gbps", hosts_per_link=2)
     assert cluster.world == 8
     assert cluster.inter == Link(1e8, 1e-3)
-    assert cluster.intra.bandwidth == 80e9 and cluster.intra.latency == 5e-6
+    assert cluster.intra.bandwidth == 80e9 and cluster.intra.latency == pytest.approx(5e-6)
     assert cluster.sharing(8) == 2 and cluster.sharing(1) == 1
     with pytest.raises(ValueError, match="not understood"):
         Cluster.parse(2, 1, "fast", "0")
