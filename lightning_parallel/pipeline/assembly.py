@@ -26,7 +26,7 @@ What a pipeline strategy does once the first batch shows the model's input, with
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -66,7 +66,7 @@ from lightning_parallel.pipeline.stages import (
     is_deferred,
 )
 from lightning_parallel.pipeline.summary import StepSummary
-from lightning_parallel.pipeline.tied import TiedWeights, tied_stages
+from lightning_parallel.pipeline.tied import TiedWeights, tied_layers, tied_stages
 from lightning_parallel.pipeline.topology import PLACEMENTS, PipelineTopology, ProcessGroups
 from lightning_parallel.pipeline.transport import StageTransport
 from lightning_parallel.pipeline.trial import choose_by_trial, trial_stage_seconds
@@ -267,7 +267,8 @@ def choose_boundaries(
         pipelines = [topology.pipeline_ranks(g) for g in range(topology.groups)]
         link = measure_link_seconds_per_byte(pipelines, rank, device())
         process_ledger().set_gauge("link_seconds_per_megabyte", link * 2**20)
-    profile = mean_profile(profiles)
+    # the tied tensors a split would make stages exchange (the same on every rank)
+    profile = replace(mean_profile(profiles), tied=tied_layers(layers))
     plan = partition(
         profile,
         stages,
@@ -276,11 +277,12 @@ def choose_boundaries(
         recompute=recompute,
         memory_limit_bytes=memory_limit_bytes,
         link_seconds_per_byte=link,
+        flushing=flushing,
     )
     if not deferred and len(profiles) > 1 and topology is not None:
         # the projection settled by timing whole stages (pipeline.trial)
         even = plan_for(profile, even_boundaries(len(layers), stages), micro_batches, schedule,
-                        recompute, link_seconds_per_byte=link)  # fmt: skip
+                        recompute, link_seconds_per_byte=link, flushing=flushing)  # fmt: skip
         candidates = [list(plan.boundaries)]
         fits = memory_limit_bytes is None or max(even.stage_memory_bytes) <= memory_limit_bytes
         if fits and list(even.boundaries) not in candidates:
@@ -291,7 +293,9 @@ def choose_boundaries(
                 repeats=profile_repeats,
             )  # fmt: skip
             outputs = [cost.output_bytes for cost in profile.layers]
-            chosen = choose_by_trial(candidates, measured, outputs, micro_batches, link, flushing)
+            chosen = choose_by_trial(
+                candidates, measured, outputs, micro_batches, link, flushing, profile.tied
+            )
             process_ledger().set_gauge("partition_trial_chose_even", float(chosen == 1))
             if chosen:
                 plan = even

@@ -14,7 +14,14 @@ the optimum; dynamic programming cannot:
    waits and copies, and under 1F1B a micro-batch's round trip over the cut lies on the
    critical path. Charged to the sender alone (``s·B_k`` of the bytes it sends), the model
    chose a ResNet-50 cut that balanced compute (19.6 and 21.0 ms a micro-batch) but moved
-   0.66 MB each way, 0.77x the samples/s of a cut with 24.4 and 16.2 ms and 0.26 MB;
+   0.66 MB each way, 0.77x the samples/s of a cut with 24.4 and 16.2 ms and 0.26 MB. A
+   stage that holds some but not all uses of a tied tensor (``ModelProfile.tied``: a
+   language model's embedding and head) also pays ``e·T·s`` for its ``T`` bytes
+   (:func:`tied_charge`): the holders exchange it ``e = 1/m`` times a micro-batch when the
+   pipeline flushes (one sum of its gradient a step) and ``e = 2`` when it never does (the sum
+   and the owner's value at every update). Without it the partitioner split transformers'
+   GPT-2 (4 layers, width 256) between its embedding and its head at 100 Mbit/s, and
+   SpecTrain stepped in 0.90 s where the cut after the token ids steps in 0.34;
 2. its memory is ``c·Σ P_l`` for parameters (``c`` counts weights, gradients and optimizer
    state) plus activations: ``n_k·A`` without recomputation, ``n_k·In + A`` with it
    (``except_last``: ``(n_k−1)·In + 2A`` while ``n_k ≥ 2``), where ``A = Σ A_l``, ``In`` is the
@@ -112,9 +119,11 @@ class _CostModel:
         recompute: str,
         parameter_factor: float,
         link_seconds_per_byte: float = 0.0,
+        flushing: bool = True,
     ) -> None:
         layers: Sequence[LayerCost] = profile.layers
         self.link = link_seconds_per_byte
+        self.tied_exchanges = tied_exchanges(flushing, micro_batches)
         self.profile, self.stages, self.micro_batches = profile, stages, micro_batches
         self.schedule, self.recompute = schedule, recompute
         self.parameter_factor = parameter_factor
@@ -128,7 +137,11 @@ class _CostModel:
         compute = self.time[end] - self.time[start]
         if not self.link:
             return compute
-        return compute + link_charge(self.output_bytes, start, end, self.link)
+        return (
+            compute
+            + link_charge(self.output_bytes, start, end, self.link)
+            + tied_charge(self.profile.tied, start, end, self.link, self.tied_exchanges)
+        )
 
     def parameter_bytes(self, stage: int, start: int, end: int) -> float:
         return self.parameters[end] - self.parameters[start]
@@ -161,6 +174,27 @@ def link_charge(output_bytes: Sequence[int], start: int, end: int, link: float) 
         output_bytes[end - 1] if end < len(output_bytes) else 0
     )
     return 2 * link * cut
+
+
+def tied_exchanges(flushing: bool, micro_batches: int) -> float:
+    """Times a micro-batch that the stages holding a tied tensor exchange its bytes: once a
+    step (its gradient summed, ``1/m``) in a flushing pipeline, twice an update (the sum, then
+    the owner's value) in one that never flushes."""
+    return 1.0 / max(1, micro_batches) if flushing else 2.0
+
+
+def tied_charge(
+    tied: Sequence[tuple[int, Sequence[int]]], start: int, end: int, link: float, exchanges: float
+) -> float:
+    """Seconds per micro-batch that a stage holding layers ``start .. end-1`` is charged for
+    the tied tensors it shares with other stages (a use inside, a use outside):
+    ``exchanges`` times their bytes at ``link`` seconds per byte."""
+    shared = sum(
+        nbytes
+        for nbytes, where in tied
+        if any(start <= i < end for i in where) and not all(start <= i < end for i in where)
+    )
+    return exchanges * link * shared
 
 
 def split_edges(boundaries: Sequence[int], layer_count: int) -> list[tuple[int, int]]:
@@ -218,12 +252,13 @@ def plan_for(
     recompute: str = "never",
     parameter_factor: float = 3.0,
     link_seconds_per_byte: float = 0.0,
+    flushing: bool = True,
 ) -> PartitionPlan:
     """The projected costs of a given split (an explicit one, or a peer's)."""
     stages = len(boundaries) + 1
     model = _CostModel(
         profile, stages, micro_batches, schedule, recompute, parameter_factor,
-        link_seconds_per_byte,
+        link_seconds_per_byte, flushing,
     )  # fmt: skip
     edges = split_edges(boundaries, len(profile))
     seconds = tuple(model.seconds(k, *edge) for k, edge in enumerate(edges))
@@ -243,6 +278,7 @@ def partition(
     allowed_boundaries: Sequence[int] | None = None,
     tolerance: float = 0.05,
     link_seconds_per_byte: float = 0.0,
+    flushing: bool = True,
 ) -> PartitionPlan:
     """The split of ``profile``'s layers into ``stages`` stages with the fastest slowest stage.
 
@@ -262,7 +298,10 @@ def partition(
         link_seconds_per_byte: seconds per byte on the links between stages
             (:func:`~lightning_parallel.pipeline.link.measure_link_seconds_per_byte`); each
             stage's time per micro-batch then adds twice the bytes at its cuts (activations
-            forward, gradients back) times this. 0: compute alone.
+            forward, gradients back) times this, and a stage sharing a tied tensor
+            :func:`tied_charge`. 0: compute alone.
+        flushing: whether the pipeline flushes every step (GroPipe) or never (SpecTrain):
+            how often tied tensors are exchanged (:func:`tied_exchanges`).
 
     Raises:
         PartitionError: more stages than layers, or no split fits ``memory_limit_bytes`` (the
@@ -279,7 +318,7 @@ def partition(
     allowed = set(range(1, layer_count)) if allowed_boundaries is None else set(allowed_boundaries)
     model = _CostModel(
         profile, stages, micro_batches, schedule, recompute, parameter_factor,
-        link_seconds_per_byte,
+        link_seconds_per_byte, flushing,
     )  # fmt: skip
 
     def fits(stage: int, start: int, end: int) -> bool:
@@ -306,5 +345,5 @@ def partition(
             boundaries = balanced[1]
     return plan_for(
         profile, boundaries, micro_batches, schedule, recompute, parameter_factor,
-        link_seconds_per_byte,
+        link_seconds_per_byte, flushing,
     )  # fmt: skip

@@ -70,6 +70,10 @@ class ModelProfile:
 
     layers: tuple[LayerCost, ...]
     input_bytes: int
+    #: each tensor that several layers use (tied weights): its bytes and those layers' indices
+    #: (:func:`~lightning_parallel.pipeline.tied.tied_layers`); a split that puts its uses on
+    #: different stages exchanges it between them
+    tied: tuple[tuple[int, tuple[int, ...]], ...] = ()
 
     def __len__(self) -> int:
         return len(self.layers)
@@ -287,7 +291,7 @@ def mean_profile(profiles: Sequence[ModelProfile]) -> ModelProfile:
         )
         for i, layer in enumerate(first.layers)
     )
-    return ModelProfile(layers, first.input_bytes)
+    return ModelProfile(layers, first.input_bytes, first.tied)
 
 
 #: nominal rates that turn counted floating-point operations and bytes written into seconds

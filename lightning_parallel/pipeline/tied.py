@@ -49,6 +49,16 @@ def tied_stages(stage_tensors: Sequence[Sequence[Tensor]]) -> dict[int, list[int
     return {key: stages for key, stages in where.items() if len(stages) > 1}
 
 
+def tied_layers(layers: Sequence[Any]) -> tuple[tuple[int, tuple[int, ...]], ...]:
+    """Each tensor that several of ``layers`` (modules) use: its bytes and those layers'
+    indices, as the partitioner takes them (:attr:`~.profile.ModelProfile.tied`)."""
+    from lightning_parallel.pipeline.ownership import stage_tensors
+
+    per_layer = [stage_tensors(layer) for layer in layers]
+    size = {id(t): t.numel() * t.element_size() for tensors in per_layer for t in tensors}
+    return tuple((size[key], tuple(where)) for key, where in tied_stages(per_layer).items())
+
+
 class TiedWeights:
     """This rank's share of the tied tensors: which it holds, with whom, over which group.
 

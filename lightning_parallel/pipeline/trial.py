@@ -18,7 +18,9 @@ the plain even split. The trial measures what the projection only predicts:
 3. the times are gathered (``all_gather_object``) and averaged per stage over the groups; a
    candidate's cost is the schedule's projected step
    (:func:`~lightning_parallel.pipeline.partition.projected_step`) of its measured stage times
-   plus the link charge of its cuts (twice the cut bytes times the measured seconds per byte);
+   plus the link charge of its cuts (twice the cut bytes times the measured seconds per byte)
+   and of the tied tensors its stages share
+   (:func:`~lightning_parallel.pipeline.partition.tied_charge`);
    for a pipeline that never flushes (SpecTrain) the slowest charged stage, which paces its
    steady state: a flushing projection of one micro-batch is the sum of the stages, the same
    for every split, and left the choice to timing noise (the sleeping model of 2 layers ran
@@ -39,7 +41,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_parallel.pipeline.partition import link_charge, projected_step, split_edges
+from lightning_parallel.pipeline.partition import (
+    link_charge,
+    projected_step,
+    split_edges,
+    tied_charge,
+    tied_exchanges,
+)
 from lightning_parallel.pipeline.profile import (
     backward_ones,
     call_layer,
@@ -81,14 +89,19 @@ def candidate_cost(
     micro_batches: int,
     link_seconds_per_byte: float,
     flushing: bool = True,
+    tied: Sequence[tuple[int, Sequence[int]]] = (),
 ) -> float:
     """Projected step of a split from its measured stage times, each plus its cuts' link
-    charge (:func:`~lightning_parallel.pipeline.partition.link_charge`, as the partition
-    charges them); without ``flushing``, the slowest charged stage (see the module
-    docstring)."""
+    charge and its shared tied tensors' (``tied``: ``ModelProfile.tied``), as the partition
+    charges them (:func:`~lightning_parallel.pipeline.partition.link_charge`,
+    :func:`~lightning_parallel.pipeline.partition.tied_charge`); without ``flushing``, the
+    slowest charged stage (see the module docstring)."""
     edges = split_edges(boundaries, len(output_bytes))
+    exchanges = tied_exchanges(flushing, micro_batches)
     charged = [
-        compute + link_charge(output_bytes, start, end, link_seconds_per_byte)
+        compute
+        + link_charge(output_bytes, start, end, link_seconds_per_byte)
+        + tied_charge(tied, start, end, link_seconds_per_byte, exchanges)
         for (start, end), compute in zip(edges, seconds)
     ]
     if not flushing:
@@ -151,12 +164,19 @@ def choose_by_trial(
     micro_batches: int,
     link_seconds_per_byte: float,
     flushing: bool = True,
+    tied: Sequence[tuple[int, Sequence[int]]] = (),
 ) -> int:
     """Index of the candidate with the least projected step (the first on a tie); see
-    :func:`candidate_cost` for ``flushing``."""
+    :func:`candidate_cost` for ``flushing`` and ``tied``."""
     costs = [
         candidate_cost(
-            seconds, boundaries, output_bytes, micro_batches, link_seconds_per_byte, flushing
+            seconds,
+            boundaries,
+            output_bytes,
+            micro_batches,
+            link_seconds_per_byte,
+            flushing,
+            tied,
         )
         for boundaries, seconds in zip(candidates, measured)
     ]

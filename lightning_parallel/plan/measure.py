@@ -42,6 +42,7 @@ from lightning_parallel.pipeline.export_split import split_layers, stage_zero_in
 from lightning_parallel.pipeline.microbatch import split_microbatches
 from lightning_parallel.pipeline.patching import capture_call, patched
 from lightning_parallel.pipeline.profile import LayerCost, SavedTensorMeter, clock, profile_layers
+from lightning_parallel.pipeline.tied import tied_layers
 from lightning_parallel.plan.profile import LayerProfile, ParameterShape, StepProfile
 
 __all__: list[str] = []
@@ -201,16 +202,6 @@ def pipeline_layers(
     except (PipelineSplitError, ValueError, RuntimeError) as error:
         return (), f"{type(error).__name__}: {error}"
     return tuple(profiles), None
-
-
-def tied_layers(layers: Sequence[nn.Module]) -> tuple[tuple[int, tuple[int, ...]], ...]:
-    """Each tensor that several of ``layers`` use: its bytes and those layers' indices."""
-    from lightning_parallel.pipeline.ownership import stage_tensors
-    from lightning_parallel.pipeline.tied import tied_stages
-
-    per_layer = [stage_tensors(layer) for layer in layers]
-    size = {id(t): t.numel() * t.element_size() for tensors in per_layer for t in tensors}
-    return tuple((size[key], tuple(where)) for key, where in tied_stages(per_layer).items())
 
 
 def chain_seconds(layers: Sequence[nn.Module], example: Any, micro_batches: int) -> float:

@@ -60,7 +60,7 @@ class LayerProfile:
 
     def model_profile(self) -> ModelProfile:
         """The profile as the partitioner takes it."""
-        return ModelProfile(self.layers, self.input_bytes)
+        return ModelProfile(self.layers, self.input_bytes, self.tied)
 
 
 @dataclass(frozen=True)

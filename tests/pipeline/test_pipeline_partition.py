@@ -198,3 +198,41 @@ def test_a_slow_link_moves_the_cut_to_where_fewer_bytes_cross() -> None:
     assert linked.boundaries == (4,)
     assert linked.stage_seconds[0] == pytest.approx(4 * 0.03 + 2e-8 * 1_000)
     assert linked.stage_seconds[1] == pytest.approx(2 * 0.03 + 2e-8 * 1_000)
+
+
+def test_a_split_that_separates_a_tied_tensor_pays_for_its_exchange() -> None:
+    """Token ids into layer 0, an embedding at layer 1 tied to the head at layer 3 (a language
+    model): compute alone cuts at 3, between the embedding and the head, where the stages then
+    exchange the tied tensor. A pipeline that never flushes exchanges it twice an update: charged
+    for that, the cut goes after the token ids (1), both uses on one stage. One that flushes
+    exchanges it once a step (``1/m`` a micro-batch) and keeps the cut at 3."""
+    layers = (
+        LayerCost(0.001, 0.001, 0, 1_000, 0),
+        LayerCost(0.5, 0.5, 0, 1_000, 4_000_000),
+        LayerCost(0.25, 0.25, 0, 1_000, 4_000_000),
+        LayerCost(0.75, 0.75, 0, 1_000, 4_000_000),
+    )
+    profile = ModelProfile(layers, input_bytes=1_000, tied=((4_000_000, (1, 3)),))
+    link = 3e-7  # 1.2 s for the tensor's bytes, 0.3 ms for a cut's
+    untied = ModelProfile(layers, input_bytes=1_000)
+    assert partition(untied, 2, 1, link_seconds_per_byte=link).boundaries == (3,)
+    assert partition(profile, 2, 1, link_seconds_per_byte=link, flushing=False).boundaries == (1,)
+    assert partition(profile, 2, 1, link_seconds_per_byte=link).boundaries == (3,)
+    # the charge on each stage holding some of the uses
+    cut = 2 * link * 1_000
+    plan = plan_for(profile, [3], 1, link_seconds_per_byte=link, flushing=False)
+    assert plan.stage_seconds == pytest.approx((1.502 + cut + 2 * 1.2, 1.5 + cut + 2 * 1.2))
+    plan = plan_for(profile, [3], 8, link_seconds_per_byte=link)
+    assert plan.stage_seconds == pytest.approx((1.502 + cut + 1.2 / 8, 1.5 + cut + 1.2 / 8))
+    # a stage holding every use, or none, pays nothing
+    plan = plan_for(profile, [1], 1, link_seconds_per_byte=link, flushing=False)
+    assert plan.stage_seconds == pytest.approx((0.002 + cut, 3.0 + cut))
+
+
+def test_mean_profile_keeps_the_tied_tensors() -> None:
+    from lightning_parallel.pipeline.profile import mean_profile
+
+    a = ModelProfile(
+        (LayerCost(1.0, 2.0, 10, 20, 30), LayerCost(3.0, 4.0, 1, 2, 3)), 7, ((3, (0, 1)),)
+    )
+    assert mean_profile([a, a]).tied == ((3, (0, 1)),)

@@ -125,3 +125,16 @@ def test_the_trial_overrules_a_wrong_profile_on_every_rank() -> None:
         assert result["projection"] == [5]
         assert result["boundaries"] == result["plan"] == [3]
         assert result["chose_even"] == 1.0
+
+
+def test_the_trial_charges_a_tied_tensor_its_split_separates() -> None:
+    """Transformers' GPT-2 at 100 Mbit/s: the balanced split measured faster, but it put the
+    embedding and the head (tied, 4 MB) on different stages, which SpecTrain then exchanged
+    twice an update; the cut after the token ids keeps them on one stage and wins."""
+    candidates = [[1], [3]]
+    measured = [[0.001, 0.40], [0.15, 0.16]]
+    outputs = [1_000, 10**6, 10**6, 10**6, 10**6]
+    tied = ((4_000_000, (1, 4)),)
+    link = 8e-8
+    assert choose_by_trial(candidates, measured, outputs, 1, link, flushing=False) == 1
+    assert choose_by_trial(candidates, measured, outputs, 1, link, False, tied) == 0

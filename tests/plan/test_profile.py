@@ -103,7 +103,7 @@ def test_the_layer_profile_names_the_layers_sharing_a_tensor() -> None:
     profile says they share it (the plans count it once for DDP, once a stage for a pipeline)."""
     from torch import nn
 
-    from lightning_parallel.plan.measure import tied_layers
+    from lightning_parallel.pipeline.tied import tied_layers
 
     embedding, head = nn.Embedding(16, 8), nn.Linear(8, 16, bias=False)
     head.weight = embedding.weight
