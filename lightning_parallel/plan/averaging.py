@@ -20,7 +20,8 @@ every step. Every ``H`` steps (``period``) a round averages the replicas:
 
 So ``F`` steps of every ``H`` carry a round and the others are local: the median step is the
 local step when rounds are fewer than half the steps (the bench's median), the mean adds
-``F/H`` of a round.
+``F/H`` of a round, or over a run of given length the rounds its training steps end
+(:func:`step_rounds`: a 30-step run of ``period=16`` ends one round, not 30/16).
 """
 
 from __future__ import annotations
@@ -108,6 +109,19 @@ def round_counts(run: RunLength, period: int, fragments: int, consensus: bool = 
     return total / run.steps
 
 
+def step_rounds(run: RunLength, period: int, fragments: int) -> float:
+    """Fragment rounds ended inside training steps, per step: what a step's time carries.
+    Steady state ``F/H``; over a run, each epoch's own rounds from a fresh schedule (the
+    consensus before a validation is not a training step's)."""
+    if not run.steps:
+        return fragments / period
+    epoch = run.epoch_steps or run.steps
+    full, left = divmod(run.steps, epoch)
+    return (full * _rounds_in(epoch, period, fragments) + _rounds_in(left, period, fragments)) / (
+        run.steps
+    )
+
+
 def predict_averaging(
     spec: str,
     profile: StepProfile,
@@ -149,7 +163,10 @@ def predict_averaging(
     round_step = local + work + waited
     share = min(1.0, fragments / period)
     steps = [(local, 1.0 - share), (round_step, share)]
-    mean = mean_of_steps(steps)
+    # the mean over the run's own steps: a run shorter than a few periods holds fewer rounds
+    # (or none) than the steady share says
+    within = min(1.0, step_rounds(run, period, fragments))
+    mean = mean_of_steps([(local, 1.0 - within), (round_step, within)])
     copies = EXTRA_PARAMETER_COPIES.get(algorithm, EXTRA_PARAMETER_COPIES["periodic"])
     extra_bytes = copies * profile.parameter_bytes
     return Prediction(

@@ -165,6 +165,44 @@ def test_spectrain_is_paced_by_its_slowest_stage_or_its_cut() -> None:
     assert cut > busy and slow.step_s == pytest.approx(0.020 + cut + busy, rel=0.01)
 
 
+def test_spectrain_s_activation_passes_at_once_through_a_refilled_token_bucket() -> None:
+    """The bench's shaped links let a bucket's bytes through at once after they idled: a
+    64 kB activation a step, with the link idle most of the step, delays stage 1 by the
+    latency alone (measured: ``gpt`` at 10 Mbit/s waited 1.4 ms for 16 kB that take 13 ms at
+    the link's rate)."""
+    profile = _profile()
+    bucket = Cluster.parse(2, 1, "100mbit", "1ms", burst_bytes=250_000)
+    busy = 0.060 + 0.010 + profile.overhead_s
+    assert _one("spectrain", profile, bucket, stages=2).step_s == pytest.approx(
+        0.020 + 0.001 + busy, rel=0.01
+    )
+    # without a bucket (a real link) the activation's bytes take their time
+    plain = _one("spectrain", profile, _cluster("100mbit"), stages=2)
+    assert plain.step_s == pytest.approx(
+        0.020 + send(_cluster("100mbit"), 64_000).seconds + busy, rel=0.01
+    )
+
+
+def test_a_run_shorter_than_its_periods_holds_only_the_rounds_its_steps_end() -> None:
+    """30 steps of DiLoCo (``period=16``) end one round: the mean step over the run adds one
+    round's extra time over 30 steps, not one over 16."""
+    from lightning_parallel.plan.averaging import step_rounds
+
+    assert step_rounds(RunLength(), 16, 1) == 1 / 16
+    assert step_rounds(RunLength(steps=30), 16, 1) == 1 / 30
+    # epochs of 22: rounds at 8 and 16 in each, the schedule fresh after each validation
+    assert step_rounds(RunLength(steps=40, epoch_steps=22), 8, 1) == 4 / 40
+    profile, cluster = _profile(), _cluster()
+    steady = _one("diloco", profile, cluster, algorithm="outer_optimizer", period=16)
+    (short,) = predict(
+        profile, cluster, [("diloco", "diloco", {"algorithm": "outer_optimizer", "period": 16})],
+        RunLength(steps=30),
+    )  # fmt: skip
+    extra = steady.detail["round_step_s"] - steady.detail["local_step_s"]
+    assert steady.mean_step_s == pytest.approx(steady.detail["local_step_s"] + extra / 16)
+    assert short.mean_step_s == pytest.approx(short.detail["local_step_s"] + extra / 30)
+
+
 def test_every_default_family_plans_ranks_and_scales() -> None:
     profile, cluster = _profile(), _cluster()
     strategies = [(name, name, {}) for name in DEFAULT_SPECS]
@@ -257,8 +295,8 @@ def test_ddp_counts_a_tied_tensor_once() -> None:
 
 def test_the_pipelines_exchange_a_tied_tensor_between_its_stages() -> None:
     """GroPipe sums the copies' gradients once a step (blocking); SpecTrain sums them and
-    broadcasts the owner's value at every update (asynchronous): on 2 hosts, the hosts' mean
-    is the tensor's bytes, and one and a half times them."""
+    broadcasts the owner's value at every update (asynchronous, on the cut's links): on 2
+    hosts, the hosts' mean is the tensor's bytes, and one and a half times them."""
     from lightning_parallel.plan.network import broadcast
 
     plain, tied, cluster = _profile(), _tied(_profile()), _cluster()
@@ -273,7 +311,12 @@ def test_the_pipelines_exchange_a_tied_tensor_between_its_stages() -> None:
     assert spectrain[1].wire_bytes_per_step - spectrain[0].wire_bytes_per_step == pytest.approx(
         reduce.wire_bytes + cast.wire_bytes / 2
     )
-    assert spectrain[1].step_s == pytest.approx(spectrain[0].step_s)  # nothing waits for it
+    # nothing waits for it, but it shares the link with the activations: here the link, at
+    # 100 Mbit/s, is slower than the stages
+    (cut,) = spectrain[1].detail["cut_bytes"]
+    link_s = send(pair, cut).seconds + reduce.seconds + cast.seconds
+    assert link_s > spectrain[0].step_s
+    assert spectrain[1].step_s == pytest.approx(link_s)
 
 
 def test_the_pipelines_count_the_validations_inside_the_run() -> None:
