@@ -69,13 +69,25 @@ class RunCounts:
 
     Attributes:
         steps: steps the bench counts (trained and skipped batches).
-        pushes: gradients sent.
+        pushes: gradients sent (the batches it trained).
         replies: replies received inside the bench's counting window.
+        seconds: its clock when it stopped: the run's time as it saw it, the waits at the
+            epochs' drains included.
     """
 
     steps: list[int]
     pushes: list[int]
     replies: list[int]
+    seconds: list[float] = field(default_factory=list)
+
+    def samples_per_s(self, batch_size: int) -> float:
+        """Samples the workers trained per second of their own runs, summed over the workers
+        (the bench's ``samples_per_s``: trained batches over each rank's time)."""
+        return sum(
+            batch_size * trained / seconds
+            for trained, seconds in zip(self.pushes, self.seconds)
+            if seconds > 0
+        )
 
 
 @dataclass(order=True)
@@ -232,4 +244,5 @@ def simulate_run(
         steps=[state.steps for state in states],
         pushes=[state.pushes for state in states],
         replies=[state.replies for state in states],
+        seconds=[state.now for state in states],
     )
