@@ -263,3 +263,42 @@ def test_averaging_seeds_example_prints_the_accuracy(tmp_path):
         "outer_dtype=int8",
     )
     assert "seed=0 val_acc=" in stdout
+
+
+def _cell_run(spec, step, rate, nbytes=1e6, peak=500.0, predicted=None):
+    """A bench run's record with the plan's prediction: ``predicted`` (step, rate, bytes,
+    peak) against the measured ``step``, ``rate``, ``nbytes`` and ``peak``."""
+    p_step, p_rate, p_bytes, p_peak = predicted or (step, rate, nbytes, peak)
+    return {
+        "spec": spec, "ok": True, "step_time_s": {"median": step}, "samples_per_s": rate,
+        "wire_bytes_per_step": nbytes, "peak_rss_mb": peak,
+        "extra": {
+            "predicted_step_s": p_step, "predicted_samples_per_s": p_rate,
+            "predicted_wire_bytes_per_step": p_bytes, "predicted_peak_rss_mb": p_peak,
+        },
+    }  # fmt: skip
+
+
+def test_prediction_cells_summary_gives_the_bar_s_figures(tmp_path):
+    """Two cells of hand-made runs: the step errors' median and 90th percentile, the memory and
+    bytes counts, and the fastest strategy with a pipeline's samples counted once."""
+    first = [
+        _cell_run("ddp", 1.0, 100.0, predicted=(1.1, 90.0, 1e6, 500.0)),  # +10%
+        _cell_run("diloco", 0.5, 200.0, predicted=(0.4, 250.0, 1.1e6, 600.0)),  # -20%, 2 misses
+        # a pipeline's 300 samples/s are 150 counted once: diloco stays the fastest
+        _cell_run("gropipe", 0.5, 300.0, predicted=(0.5, 240.0, 1e6, 500.0)),  # 0%
+    ]
+    second = [
+        _cell_run("ddp", 1.0, 100.0, predicted=(1.05, 120.0, 1e6, 500.0)),  # +5%, wrong pick
+        _cell_run("hylo", 1.0, 110.0, predicted=(1.0, 100.0, 1e6, 500.0)),  # 0%
+    ]
+    for name, runs in (("gpt_1gbit", first), ("vgg16_1gbit", second)):
+        (tmp_path / f"cell_{name}.json").write_text(json.dumps({"runs": runs}))
+    stdout = _example(tmp_path, "prediction_cells.py", "summary", "--out", tmp_path, "--rows")
+    assert "5 runs in 2 cells" in stdout
+    # errors 0, 0, 5, 10, 20 %: median 5%, nearest-rank p90 20%
+    assert "median |step error| 5.0%, p90 20.0%" in stdout
+    assert "memory within 15%: 4 of 5; bytes within 5%: 4 of 5" in stdout
+    assert "| gpt_1gbit | `diloco` | `diloco` | 1.00 | yes |" in stdout
+    assert "| vgg16_1gbit | `ddp` | `hylo` | 0.91 | no |" in stdout
+    assert "fastest right or within 5%: 1 of 2" in stdout
