@@ -13,7 +13,7 @@ the prediction the bench printed (``extra.predicted_*``) with what it measured:
 - peak memory per rank within 15% of the bench's peak RSS, bytes per step per host within 5%
   of the interface counter.
 
-Needs root (network namespaces), about an hour and a half on 2 cores; run it on an idle
+Needs root (network namespaces), about an hour on this 2-core machine; run it on an idle
 machine::
 
     python examples/prediction_cells.py run --out cells          # every cell

@@ -26,7 +26,7 @@ What a pipeline strategy does once the first batch shows the model's input, with
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -66,7 +66,7 @@ from lightning_parallel.pipeline.stages import (
     is_deferred,
 )
 from lightning_parallel.pipeline.summary import StepSummary
-from lightning_parallel.pipeline.tied import TiedWeights, tied_layers, tied_stages
+from lightning_parallel.pipeline.tied import TiedWeights, tied_stages
 from lightning_parallel.pipeline.topology import PLACEMENTS, PipelineTopology, ProcessGroups
 from lightning_parallel.pipeline.transport import StageTransport
 from lightning_parallel.pipeline.trial import choose_by_trial, trial_stage_seconds
@@ -267,8 +267,7 @@ def choose_boundaries(
         pipelines = [topology.pipeline_ranks(g) for g in range(topology.groups)]
         link = measure_link_seconds_per_byte(pipelines, rank, device())
         process_ledger().set_gauge("link_seconds_per_megabyte", link * 2**20)
-    # the tied tensors a split would make stages exchange (the same on every rank)
-    profile = replace(mean_profile(profiles), tied=tied_layers(layers))
+    profile = mean_profile(profiles)
     plan = partition(
         profile,
         stages,

@@ -34,6 +34,7 @@ from torch import nn
 
 from lightning_parallel.pipeline.recompute import recomputing
 from lightning_parallel.pipeline.stage_entry import stage_inputs
+from lightning_parallel.pipeline.tied import tied_layers
 from lightning_parallel.pipeline.weight_grad import deferred_linears, deferring_weight_gradients
 
 __all__: list[str] = []
@@ -265,7 +266,7 @@ def profile_layers(
                 )
             )
             current = output
-    return ModelProfile(tuple(costs), nbytes(example_args))
+    return ModelProfile(tuple(costs), nbytes(example_args), tied_layers(layers))
 
 
 def mean_profile(profiles: Sequence[ModelProfile]) -> ModelProfile:
@@ -382,4 +383,4 @@ def estimate_layers(layers: Sequence[nn.Module], example_args: tuple[Any, ...]) 
             )
         )
         current = output
-    return ModelProfile(tuple(costs), nbytes(example_args))
+    return ModelProfile(tuple(costs), nbytes(example_args), tied_layers(layers))

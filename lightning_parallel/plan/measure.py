@@ -42,7 +42,6 @@ from lightning_parallel.pipeline.export_split import split_layers, stage_zero_in
 from lightning_parallel.pipeline.microbatch import split_microbatches
 from lightning_parallel.pipeline.patching import capture_call, patched
 from lightning_parallel.pipeline.profile import LayerCost, SavedTensorMeter, clock, profile_layers
-from lightning_parallel.pipeline.tied import tied_layers
 from lightning_parallel.plan.profile import LayerProfile, ParameterShape, StepProfile
 
 __all__: list[str] = []
@@ -196,7 +195,7 @@ def pipeline_layers(
                 costs = _to_chain_time(profile.layers, chain_seconds(layers, example, count))
                 profiles.append(
                     LayerProfile(
-                        _batch_size(micro), costs, profile.input_bytes, tied_layers(layers)
+                        _batch_size(micro), costs, profile.input_bytes, profile.tied
                     )
                 )
     except (PipelineSplitError, ValueError, RuntimeError) as error:
