@@ -194,9 +194,7 @@ def pipeline_layers(
                 profile = profile_layers(layers, example, repeats=repeats, micro_batches=count)
                 costs = _to_chain_time(profile.layers, chain_seconds(layers, example, count))
                 profiles.append(
-                    LayerProfile(
-                        _batch_size(micro), costs, profile.input_bytes, profile.tied
-                    )
+                    LayerProfile(_batch_size(micro), costs, profile.input_bytes, profile.tied)
                 )
     except (PipelineSplitError, ValueError, RuntimeError) as error:
         return (), f"{type(error).__name__}: {error}"
