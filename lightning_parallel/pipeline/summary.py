@@ -159,6 +159,12 @@ class LogRecorder:
 
 
 _TIMINGS = 5  # busy, step, sync, exposed, wait: one slot per stage each
+SUMMARY_CAPACITY = 32  # logged values the vector carries
+
+
+def summary_width(stages: int, capacity: int = SUMMARY_CAPACITY) -> int:
+    """Float64 slots of the step's vector: ``3 + 5p + capacity``."""
+    return 3 + _TIMINGS * stages + capacity
 
 
 @dataclass
@@ -211,7 +217,7 @@ class StepSummary:
         stage: int,
         group: dist.ProcessGroup | None,
         source_rank: int,
-        capacity: int = 32,
+        capacity: int = SUMMARY_CAPACITY,
     ) -> None:
         self.stages, self.stage, self.group = stages, stage, group
         self.source_rank = source_rank
@@ -235,7 +241,7 @@ class StepSummary:
     ) -> SummaryResult:
         """Combine this rank's figures with the group's (every rank of the group calls it)."""
         p, k = self.stages, self.stage
-        width = 3 + _TIMINGS * p + self.capacity
+        width = summary_width(p, self.capacity)
         vector = torch.zeros(width, dtype=torch.float64)
         schema = [(v.name, v.metric is not None, v.options) for v in logged]
         overflow = len(logged) > self.capacity

@@ -29,7 +29,13 @@ from __future__ import annotations
 from typing import Any
 
 from lightning_parallel.plan.memory import EXTRA_PARAMETER_COPIES, peak_rss_mb
-from lightning_parallel.plan.network import Cluster, Transfer, all_gather, all_reduce
+from lightning_parallel.plan.network import (
+    Cluster,
+    Transfer,
+    all_gather,
+    all_reduce,
+    step_flag,
+)
 from lightning_parallel.plan.prediction import (
     STEADY,
     Prediction,
@@ -141,8 +147,10 @@ def predict_averaging(
     per_replica = bool(options.get("replace_collapsed", True))
     mean_only = bool(options.get("rollback_on_spike", True)) and algorithm != "easgd"
     loss_bytes = 16.0 * cluster.world if per_replica else 8.0 if mean_only else 0.0
-    traffic = Traffic()
-    local = profile.step_s
+    # the trainer's SIGTERM flag before every batch (plan.network.step_flag)
+    flag = step_flag(cluster)
+    traffic = Traffic().add(flag)
+    local = profile.step_s + flag.seconds
     if loss_bytes:
         loss = all_reduce(cluster, loss_bytes, element_bytes=8)
         traffic.add(loss)

@@ -36,6 +36,10 @@ training forward (``broadcast_buffers``, on by default; a SPEC's ``broadcast_buf
 turns it off): one binomial broadcast of the profile's ``buffer_bytes``, waited for, in every
 DDP-based prediction.
 
+**The trainer's flag.** Before every training batch Lightning broadcasts rank 0's SIGTERM
+flag (:func:`~lightning_parallel.plan.network.step_flag`, 8 bytes): its latency is waited for
+and its bytes counted, in every family but the parameter server's.
+
 **A shaper's burst.** Where the link is shaped by a token bucket (the simulated hosts), the
 bucket refills while the link idles during the compute, and its burst passes at once: the
 exposed communication is less by ``min(burst, idle · b) / b`` (at 10 Mbit/s 56 ms a step).
@@ -43,14 +47,19 @@ exposed communication is less by ``min(burst, idle · b) / b`` (at 10 Mbit/s 56 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from lightning_parallel.compression.low_rank import matrix_shape
 from lightning_parallel.plan.memory import EXTRA_PARAMETER_COPIES, peak_rss_mb
-from lightning_parallel.plan.network import Cluster, Transfer, all_reduce, broadcast
+from lightning_parallel.plan.network import (
+    Cluster,
+    Transfer,
+    all_reduce,
+    broadcast_mean,
+    step_flag,
+)
 from lightning_parallel.plan.prediction import STEADY, Prediction, RunLength, Traffic
 from lightning_parallel.plan.profile import BLOCKED, ParameterShape, StepProfile
 
@@ -145,6 +154,10 @@ def _finish(
         sync = buffer_broadcast(cluster, profile.buffer_bytes)
         traffic.add(sync)
         exposed += sync.seconds
+    # the trainer's SIGTERM flag before every batch: rank 1 waits for rank 0's message
+    flag = step_flag(cluster)
+    traffic.add(flag)
+    exposed += flag.seconds
     step = profile.step_s + work_s + exposed
     return Prediction(
         spec=spec,
@@ -170,16 +183,9 @@ def _broadcasts_buffers(options: dict[str, Any]) -> bool:
 
 def buffer_broadcast(cluster: Cluster, nbytes: float) -> Transfer:
     """DDP's ``broadcast_buffers``: rank 0's ``nbytes`` of buffers to every rank before each
-    training forward (one binomial broadcast,
-    :func:`~lightning_parallel.plan.network.broadcast`), its bytes as the hosts' mean: the
-    tree's ``H − 1`` copies over ``H`` hosts (the root's host sends ``⌈log2 H⌉`` of them, the
-    last round's hosts none)."""
-    tree = broadcast(cluster, nbytes)
-    rounds = math.ceil(math.log2(cluster.hosts)) if cluster.hosts > 1 else 1
-    share = (cluster.hosts - 1) / (cluster.hosts * rounds)
-    return replace(
-        tree, payload_bytes=tree.payload_bytes * share, wire_bytes=tree.wire_bytes * share
-    )
+    training forward (:func:`~lightning_parallel.plan.network.broadcast_mean`: one binomial
+    broadcast, its bytes as the hosts' mean)."""
+    return broadcast_mean(cluster, nbytes)
 
 
 def predict_ddp(

@@ -26,9 +26,10 @@ Framing (measured on the simulated hosts of :mod:`lightning_parallel.cluster.net
   ``tx_bytes ≈ payload · (1 + 66/65160) + received · 66/65160``, about 0.1% of framing.
   A real NIC that counts every segment sees ``66/1448`` (4.6%) instead, and ACKs every second
   segment: :data:`ETHERNET`;
-* gloo adds about 145 bytes a message sent (its preamble) and a notification of about as much
-  for each message received (measured: 290 bytes a host a round of a ring allreduce on 2, 4
-  and 8 hosts, 118 bytes on a lone send).
+* gloo adds about 130 bytes a message sent (its preamble) and a notification of about as much
+  for each message received, each in a packet of its own: 186 to 204 bytes a message sent or
+  received, headers included, counted on all-reduces of 2 kB and 32 kB on 2, 4 and 8 hosts
+  (each a ring of gloo's segments, :func:`ring_segments`: 8 to 56 messages a host).
 
 The algorithms gloo runs (torch 2.13, CPU tensors), found from the bytes each host sent on 2,
 4 and 8 hosts (250 kB to 4 MB): ``all_reduce`` is a ring (reduce-scatter then all-gather,
@@ -47,7 +48,7 @@ terms nor the tree's rounds, which 8 processes on this machine's 2 cores cannot 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from lightning_parallel.cluster.units import parse_bandwidth, parse_latency
 
@@ -74,7 +75,7 @@ class Framing:
     segment_bytes: int = SEGMENT_BYTES
     packet_bytes: int = 45 * SEGMENT_BYTES
     packets_per_ack: float = 1.0
-    message_bytes: int = 145
+    message_bytes: int = 130
 
     def __post_init__(self) -> None:
         if min(self.segment_bytes, self.packet_bytes) <= 0 or self.packets_per_ack <= 0:
@@ -239,16 +240,41 @@ def _transfer(
     sent: float,
     received: float,
     messages: int,
-    messages_sent: int | None = None,
+    messages_sent: float | None = None,
+    messages_received: float | None = None,
 ) -> Transfer:
     """A :class:`Transfer` of a host that sends ``messages_sent`` (default ``messages``) and
-    receives one message a round where it receives anything; no inter-host bytes on one host."""
+    receives ``messages_received`` (default: one a round where it receives anything); no
+    inter-host bytes on one host."""
     if cluster.hosts == 1:
         return Transfer(seconds, 0.0, 0.0, messages)
     sent_count = messages if messages_sent is None else messages_sent
     received_count = messages if received else 0
+    if messages_received is not None:
+        received_count = messages_received
     wire = wire_bytes(sent, received, sent_count, received_count, cluster.framing)
     return Transfer(seconds, sent, wire, messages)
+
+
+GLOO_MAX_SEGMENT_BYTES = 2 * 2**20
+"""The largest piece gloo's ring all-reduce sends at once (its ``kMaxSegmentSize``)."""
+
+
+def ring_segments(world: int, nbytes: float, element_bytes: int = 4) -> int:
+    """The pieces gloo's ring all-reduce sends a tensor in, those that hold data.
+
+    gloo cuts the tensor into ``S = roundup(max(⌈N / 2 MiB⌉, 2W), W)`` segments of
+    ``⌈N / S⌉`` bytes (rounded up to whole elements), at least two per rank so that one is on
+    the wire while the other is reduced; a tensor of fewer elements than that leaves the
+    last segments empty, and gloo sends no empty one. A rank forwards every segment but those
+    of its own chunk in each half: a host sends ``2(W-1)/W`` of the segments on average.
+    """
+    elements = max(1, math.ceil(nbytes / element_bytes))
+    total = elements * element_bytes
+    pieces = max(math.ceil(total / GLOO_MAX_SEGMENT_BYTES), 2 * world)
+    pieces = math.ceil(pieces / world) * world
+    segment = math.ceil(math.ceil(total / pieces) / element_bytes) * element_bytes
+    return min(pieces, math.ceil(total / segment))
 
 
 def all_reduce(
@@ -259,11 +285,13 @@ def all_reduce(
     ``"ring"`` (what gloo runs, any size): reduce-scatter then all-gather, ``2(W-1)`` rounds
     of ``N/W`` bytes around the host-major ring, which leaves each host once:
     ``seconds = 2(W-1) · max(L + N/W/(b/s), L_intra + N/W/b_intra)``, payload
-    ``2(W-1)/W · N`` a host, the same received. A tensor of ``e < W`` elements
-    (``element_bytes`` each) has ``W - e`` empty chunks, which gloo does not send: a host then
-    sends ``2 · min(e, W-1)`` messages (the averaging's 8-byte loss, one float64: 0.55 kB a
-    host counted on average on 2, 4 and 8 hosts; 0.86 kB by this law, whose bytes a message
-    are those of large messages; 6.0 kB on 8 hosts by ``2(W-1)`` messages).
+    ``2(W-1)/W · N`` a host, the same received. Each round moves a chunk in gloo's segments
+    (:func:`ring_segments`, at least two a chunk): a host sends and receives
+    ``2(W-1)/W · E`` messages of the ``E`` segments that hold data, on average over the hosts,
+    each with its framing (:func:`wire_bytes`). Below about 100 kB that framing is most of
+    the bytes: on 2 hosts a 2 kB all-reduce is 8 messages a host, 3.5 kB counted (3.6 kB by
+    this law, 2.9 kB by one message a round); the averaging's 8-byte loss, one float64, a
+    single segment: 0.55 kB a host counted on average on 2, 4 and 8 hosts.
 
     ``"tree"``: binomial reduce to rank 0 then binomial broadcast, ``⌈log2 H⌉`` rounds across
     hosts and ``⌈log2 K⌉`` inside each, each way:
@@ -280,9 +308,11 @@ def all_reduce(
         rounds = 2 * (world - 1)
         chunk = nbytes / world
         seconds = _rounds(cluster, rounds, chunk, cluster.hosts)
-        elements = max(1, math.ceil(nbytes / element_bytes))
-        messages = 2 * min(elements, world - 1)
-        return _transfer(cluster, seconds, rounds * chunk, rounds * chunk, messages)
+        # the messages a host sends and receives: hosts' mean
+        messages = rounds * ring_segments(world, nbytes, element_bytes) / world
+        return _transfer(
+            cluster, seconds, rounds * chunk, rounds * chunk, rounds, messages, messages
+        )
     if algorithm == "tree":
         return _tree_all_reduce(cluster, nbytes)
     raise ValueError(f"all_reduce algorithm must be 'ring' or 'tree', got {algorithm!r}")
@@ -360,6 +390,38 @@ def broadcast(cluster: Cluster, nbytes: float) -> Transfer:
     return _transfer(cluster, seconds, sent, 0.0, host_rounds + local_rounds, host_rounds)
 
 
+def broadcast_mean(cluster: Cluster, nbytes: float) -> Transfer:
+    """:func:`broadcast` with its bytes as the hosts' mean (what the bench compares): the
+    tree's ``H − 1`` copies over ``H`` hosts (the root's host sends ``⌈log2 H⌉`` of them, the
+    last round's hosts none), each receiver's ACK beside it; the seconds are the tree's."""
+    tree = broadcast(cluster, nbytes)
+    if cluster.hosts == 1:
+        return tree
+    rounds = math.ceil(math.log2(cluster.hosts))
+    share = (cluster.hosts - 1) / cluster.hosts
+    f = cluster.framing
+    acks = f.header_bytes * max(1.0, nbytes / (f.packet_bytes * f.packets_per_ack))
+    return replace(
+        tree,
+        payload_bytes=tree.payload_bytes * share / rounds,
+        wire_bytes=(tree.wire_bytes / rounds + acks) * share,
+    )
+
+
+STEP_FLAG_BYTES = 8
+"""Lightning's SIGTERM flag: one int64, broadcast from rank 0 before every training batch."""
+
+
+def step_flag(cluster: Cluster) -> Transfer:
+    """The trainer's broadcast of rank 0's SIGTERM flag before every training batch (Lightning's
+    fit loop in a world of more than one; the library's strategies keep it, raising on a lost
+    peer, all but the parameter server's, whose workers never wait for each other): a
+    :func:`broadcast_mean` of :data:`STEP_FLAG_BYTES`. Measured on 2 hosts, an 8-byte
+    broadcast: 268 bytes counted on the root's host, 68 on the other's (168 a host; this law
+    143)."""
+    return broadcast_mean(cluster, STEP_FLAG_BYTES)
+
+
 def gather(cluster: Cluster, nbytes_per_rank: float) -> Transfer:
     """Rank 0 ends with every rank's ``n = nbytes_per_rank`` bytes (parameter-server style).
 
@@ -395,7 +457,17 @@ def _to_or_from_root(cluster: Cluster, nbytes_per_rank: float, outward: bool) ->
 
 def send(cluster: Cluster, nbytes: float) -> Transfer:
     """One rank's ``nbytes`` to another (a pipeline's activations): ``L + N/b``, over the
-    inter-host link if the cluster has more than one host, else over the intra link."""
+    inter-host link if the cluster has more than one host, else over the intra link.
+
+    ``wire_bytes`` is what both hosts' counters add: the sender's message and the receiver's
+    ACKs, at least one (measured on 2 hosts, 4 B to 128 kB: the receiver 68 to 144 bytes a
+    message); the pipelines and the server sum their messages and divide by the hosts.
+    """
     link = cluster.inter if cluster.hosts > 1 else cluster.intra
     seconds = link.seconds(nbytes, cluster.framing)
-    return _transfer(cluster, seconds, nbytes, 0.0, 1)
+    transfer = _transfer(cluster, seconds, nbytes, 0.0, 1)
+    if cluster.hosts == 1:
+        return transfer
+    f = cluster.framing
+    acks = f.header_bytes * max(1.0, nbytes / (f.packet_bytes * f.packets_per_ack))
+    return replace(transfer, wire_bytes=transfer.wire_bytes + acks)

@@ -54,19 +54,27 @@ from dataclasses import replace
 from typing import Any
 
 from lightning_parallel.pipeline.link import PROBE_BYTES
+from lightning_parallel.pipeline.noflush.mirror import mirror_width
 from lightning_parallel.pipeline.partition import (
     PartitionError,
     partition,
     plan_for,
 )
+from lightning_parallel.pipeline.summary import summary_width
 from lightning_parallel.plan.memory import peak_rss_mb
-from lightning_parallel.plan.network import Cluster, Link, all_reduce, broadcast, send
+from lightning_parallel.plan.network import (
+    Cluster,
+    Link,
+    all_reduce,
+    broadcast,
+    send,
+    step_flag,
+)
 from lightning_parallel.plan.prediction import STEADY, Prediction, RunLength, Traffic, refused
 from lightning_parallel.plan.profile import StepProfile
 
 __all__: list[str] = []
 
-_SUMMARY_BYTES = 64.0
 PROBE_REPEATS = 2  # measure_link_seconds_per_byte's default
 
 
@@ -214,8 +222,12 @@ def predict_gropipe(
     ]
     share = [p / max(1.0, sum(stage_params)) for p in stage_params]
     optimizer = max(profile.optimizer_s * s for s in share)
-    summary = all_reduce(_pipeline_cluster(cluster, stages), _SUMMARY_BYTES)
-    traffic = Traffic().add(summary)
+    # the step's summary (pipeline.summary): float64 slots, waited for
+    summary_bytes = 8.0 * summary_width(stages)
+    summary = all_reduce(_pipeline_cluster(cluster, stages), summary_bytes, element_bytes=8)
+    # the trainer's SIGTERM flag before every batch: a later stage waits for its activation
+    # longer than for rank 0's flag, so only its bytes count
+    traffic = Traffic().add(summary).add(step_flag(cluster), waited=False)
     groups = cluster.world // stages
     exposed_sync = 0.0
     if groups > 1:
@@ -306,7 +318,13 @@ def predict_spectrain(
         for a, b in itertools.pairwise(edges)
     ]
     share = [p / max(1.0, sum(stage_params)) for p in stage_params]
-    traffic = Traffic()
+    # the step's telemetry all-reduce (pipeline.noflush.mirror: float64 slots, completed a
+    # step later) and the trainer's SIGTERM flag (a later stage waits for its activation
+    # longer): bytes only
+    mirror = all_reduce(
+        _pipeline_cluster(cluster, stages), 8.0 * mirror_width(stages), element_bytes=8
+    )
+    traffic = Traffic().add(mirror, waited=False).add(step_flag(cluster), waited=False)
     # with several pipelines, each unit's gradients are averaged among the stage's replicas
     # (one blocking all-reduce after every backward) before the update
     groups = cluster.world // stages

@@ -8,7 +8,7 @@ import pytest
 
 from lightning_parallel.pipeline.profile import LayerCost
 from lightning_parallel.plan.averaging import round_counts
-from lightning_parallel.plan.network import Cluster, all_gather, all_reduce, send
+from lightning_parallel.plan.network import Cluster, all_gather, all_reduce, send, step_flag
 from lightning_parallel.plan.planner import DEFAULT_SPECS, PREDICTORS, predict, ranked, scaling
 from lightning_parallel.plan.prediction import RunLength, median_of_steps
 from lightning_parallel.plan.profile import LayerProfile, ParameterShape, StepProfile
@@ -48,10 +48,11 @@ def _one(spec: str, profile: StepProfile, cluster: Cluster, **options: object):
 
 def test_ddp_without_layer_times_waits_for_the_whole_allreduce() -> None:
     profile, cluster = _profile(layers=False), _cluster()
-    transfer = all_reduce(cluster, 4 * MB)
+    transfer, flag = all_reduce(cluster, 4 * MB), step_flag(cluster)
     ddp = _one("ddp", profile, cluster)
-    assert ddp.step_s == pytest.approx(profile.step_s + transfer.seconds)
-    assert ddp.wire_bytes_per_step == pytest.approx(transfer.wire_bytes)
+    # the trainer's SIGTERM flag before every batch: waited for, its bytes counted
+    assert ddp.step_s == pytest.approx(profile.step_s + transfer.seconds + flag.seconds)
+    assert ddp.wire_bytes_per_step == pytest.approx(transfer.wire_bytes + flag.wire_bytes)
     assert ddp.peak_rss_mb == pytest.approx(500.0)
 
 
@@ -81,19 +82,23 @@ def test_averaging_median_is_the_local_step_and_rounds_are_counted() -> None:
     profile, cluster = _profile(), _cluster()
     averaging = _one("model_averaging", profile, cluster, algorithm="periodic", period=8)
     # each local step's loss: one slot and one presence flag per replica (replace_collapsed)
-    loss = all_reduce(cluster, 16.0 * cluster.world)
-    assert averaging.step_s == pytest.approx(profile.step_s + loss.seconds)
+    loss = all_reduce(cluster, 16.0 * cluster.world, element_bytes=8)
+    flag = step_flag(cluster)  # the trainer's SIGTERM flag before every batch
+    assert averaging.step_s == pytest.approx(profile.step_s + loss.seconds + flag.seconds)
     mean_only = _one(
         "model_averaging", profile, cluster, algorithm="periodic", period=8,
         replace_collapsed=False,
     )  # fmt: skip
-    assert mean_only.step_s == pytest.approx(profile.step_s + all_reduce(cluster, 8.0).seconds)
+    mean_loss = all_reduce(cluster, 8.0, element_bytes=8)
+    assert mean_only.step_s == pytest.approx(profile.step_s + mean_loss.seconds + flag.seconds)
     unwatched = _one(
         "easgd", profile, cluster, algorithm="easgd", period=8, replace_collapsed=False
     )
-    assert unwatched.step_s == pytest.approx(profile.step_s)
+    assert unwatched.step_s == pytest.approx(profile.step_s + flag.seconds)
     model = all_reduce(cluster, profile.parameter_bytes)
-    assert averaging.wire_bytes_per_step == pytest.approx(model.wire_bytes / 8 + loss.wire_bytes)
+    assert averaging.wire_bytes_per_step == pytest.approx(
+        model.wire_bytes / 8 + loss.wire_bytes + flag.wire_bytes
+    )
     assert averaging.mean_step_s > averaging.step_s
     # int8 codes are all-gathered: a quarter of the values' bytes
     streaming = _one(
@@ -102,7 +107,7 @@ def test_averaging_median_is_the_local_step_and_rounds_are_counted() -> None:
     )  # fmt: skip
     gathered = all_gather(cluster, profile.parameter_bytes / 4 / 4)
     assert streaming.wire_bytes_per_step == pytest.approx(
-        4 / 16 * gathered.wire_bytes + loss.wire_bytes
+        4 / 16 * gathered.wire_bytes + loss.wire_bytes + flag.wire_bytes
     )
 
 

@@ -31,6 +31,12 @@ __all__: list[str] = []
 
 #: the figures each stage mirrors, in this order
 TELEMETRY = ("staleness", "prediction_error", "stale_error", "bubble")
+MIRROR_CAPACITY = 64  # logged values the vector carries
+
+
+def mirror_width(stages: int, capacity: int = MIRROR_CAPACITY) -> int:
+    """Float64 slots of the step's vector: ``3 + 4p + capacity``."""
+    return 3 + len(TELEMETRY) * stages + capacity
 
 
 @dataclass
@@ -69,7 +75,7 @@ class AsyncMirror:
         self, stages: int, stage: int, group: dist.ProcessGroup | None, source_rank: int
     ) -> None:
         self.stages, self.stage, self.group, self.source_rank = stages, stage, group, source_rank
-        self.capacity = 64
+        self.capacity = MIRROR_CAPACITY
         self._schema: list[tuple[str, dict[str, Any]]] = []
         self._fingerprint = 0
         self._pending: tuple[Any, Tensor, list[LoggedValue]] | None = None
@@ -83,7 +89,7 @@ class AsyncMirror:
     ) -> None:
         """Start the exchange of this step (every rank of the pipeline, once per step)."""
         p = self.stages
-        vector = torch.zeros(3 + len(TELEMETRY) * p + self.capacity, dtype=torch.float64)
+        vector = torch.zeros(mirror_width(p, self.capacity), dtype=torch.float64)
         if self.last:
             schema = [(v.name, v.options) for v in logged]
             vector[0] = loss
