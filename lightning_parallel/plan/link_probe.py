@@ -74,8 +74,10 @@ class LinkFit:
     Args:
         bandwidth: bits per second, each way.
         latency: one-way seconds a message costs beyond its bytes.
-        small_bytes, small_s: the small allreduce's size and median seconds.
-        large_bytes, large_s: the large allreduce's size and median seconds.
+        small_bytes: the small allreduce's size.
+        small_s: the small allreduce's mean seconds.
+        large_bytes: the large allreduce's size.
+        large_s: the large allreduce's mean seconds.
         ranks: ranks in the ring that was timed.
     """
 

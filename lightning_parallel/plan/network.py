@@ -200,8 +200,8 @@ class Transfer:
 def wire_bytes(
     payload_sent: float,
     payload_received: float,
-    messages_sent: int = 0,
-    messages_received: int = 0,
+    messages_sent: float = 0,
+    messages_received: float = 0,
     framing: Framing = VETH,
 ) -> float:
     """Bytes a host's ``tx_bytes`` counts for what it sends and receives.
@@ -248,8 +248,8 @@ def _transfer(
     inter-host bytes on one host."""
     if cluster.hosts == 1:
         return Transfer(seconds, 0.0, 0.0, messages)
-    sent_count = messages if messages_sent is None else messages_sent
-    received_count = messages if received else 0
+    sent_count = float(messages if messages_sent is None else messages_sent)
+    received_count = float(messages if received else 0)
     if messages_received is not None:
         received_count = messages_received
     wire = wire_bytes(sent, received, sent_count, received_count, cluster.framing)
