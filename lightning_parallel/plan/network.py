@@ -343,12 +343,14 @@ def all_gather(cluster: Cluster, nbytes_per_rank: float) -> Transfer:
 
     ``W-1`` rounds of ``n`` bytes around the host-major ring:
     ``seconds = (W-1) · max(L + n/(b/s), L_intra + n/b_intra)``, payload ``(W-1) · n`` a host,
-    the same received.
+    the same received. gloo's framing is that of two messages a round each way: measured on
+    2, 4 and 8 hosts, 0.5 to 32 kB a rank, each host's counter adds 0.71-0.79, 2.2-2.4 and
+    5.4-5.7 kB to the payload, ``4(W-1)`` messages' worth (190 bytes each).
     """
     rounds = cluster.world - 1
     seconds = _rounds(cluster, rounds, nbytes_per_rank, cluster.hosts)
     sent = rounds * nbytes_per_rank
-    return _transfer(cluster, seconds, sent, sent, rounds)
+    return _transfer(cluster, seconds, sent, sent, rounds, 2 * rounds, 2 * rounds)
 
 
 def reduce_scatter(cluster: Cluster, nbytes: float, algorithm: str = "ring") -> Transfer:
