@@ -39,8 +39,10 @@ root sent ``3N``, rank 1 ``2N``, ranks 2-3 ``N``, ranks 4-7 nothing); ``reduce_s
 costs a whole allreduce (``2(W-1)/W · N``, not ``(W-1)/W · N``); ``gather``/``scatter`` go
 straight between the root and each rank.
 
-Limits: below about 100 kB gloo's own messages dominate and the byte law undercounts (a 4 kB
-allreduce on 8 hosts: 17.9 kB counted, 12.9 kB by the law); the seconds were checked on 2
+Limits: below about 100 kB gloo's own messages are most of the bytes, which the laws count
+message by message (a 4 kB allreduce on 8 hosts: 17.9 kB counted, 18.2 kB by the law with
+gloo's segments, 12.9 kB with one message a round); a collective of a few elements costs a
+few hundred bytes a host, which vary from run to run by as much; the seconds were checked on 2
 hosts (a 4 MB allreduce at 100mbit: 0.334 s measured, 0.3346 s by the law), not the latency
 terms nor the tree's rounds, which 8 processes on this machine's 2 cores cannot time.
 """
