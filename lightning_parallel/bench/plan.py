@@ -219,7 +219,8 @@ def plan(
 
 def cluster_of(args: argparse.Namespace) -> Any:
     """The cluster the arguments describe."""
-    from lightning_parallel.plan.network import ETHERNET, VETH, Cluster
+    from lightning_parallel.plan.framing import ETHERNET, VETH
+    from lightning_parallel.plan.network import Cluster
 
     cluster = Cluster.parse(
         hosts=args.hosts,

@@ -151,7 +151,7 @@ def _finish(
     if buffers and profile.buffer_bytes:
         # DDP's broadcast of rank 0's buffers before every training forward: nothing to hide
         # it behind
-        sync = buffer_broadcast(cluster, profile.buffer_bytes)
+        sync = broadcast_mean(cluster, profile.buffer_bytes)
         traffic.add(sync)
         exposed += sync.seconds
     # the trainer's SIGTERM flag before every batch: rank 1 waits for rank 0's message
@@ -179,13 +179,6 @@ def _broadcasts_buffers(options: dict[str, Any]) -> bool:
     """Whether DDP broadcasts the buffers (``broadcast_buffers``, a DDP keyword the strategies
     pass on; on by default)."""
     return bool(options.get("broadcast_buffers", True))
-
-
-def buffer_broadcast(cluster: Cluster, nbytes: float) -> Transfer:
-    """DDP's ``broadcast_buffers``: rank 0's ``nbytes`` of buffers to every rank before each
-    training forward (:func:`~lightning_parallel.plan.network.broadcast_mean`: one binomial
-    broadcast, its bytes as the hosts' mean)."""
-    return broadcast_mean(cluster, nbytes)
 
 
 def predict_ddp(

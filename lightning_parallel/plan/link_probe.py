@@ -47,7 +47,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from lightning_parallel.comm.groups import new_group
-from lightning_parallel.plan.network import VETH, Framing
+from lightning_parallel.plan.framing import VETH, Framing
 
 __all__: list[str] = []
 

@@ -15,8 +15,9 @@ from lightning_parallel.bench.links import join_and_measure, link_texts, probe_h
 from lightning_parallel.bench.runner import BenchConfig
 from lightning_parallel.cluster import netns_unavailable_reason, run_on_hosts
 from lightning_parallel.cluster.local import LocalHosts, free_port
+from lightning_parallel.plan.framing import ETHERNET
 from lightning_parallel.plan.link_probe import fit_ring
-from lightning_parallel.plan.network import ETHERNET, Cluster, all_reduce
+from lightning_parallel.plan.network import Cluster, all_reduce
 from lightning_parallel.plan.profile import ParameterShape, StepProfile
 
 REASON = netns_unavailable_reason()

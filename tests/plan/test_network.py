@@ -13,10 +13,8 @@ from typing import Any
 import pytest
 
 from lightning_parallel.cluster import SimulatedNetwork, netns_unavailable_reason, run_on_hosts
+from lightning_parallel.plan.framing import ETHERNET, HEADER_BYTES, VETH, wire_bytes
 from lightning_parallel.plan.network import (
-    ETHERNET,
-    HEADER_BYTES,
-    VETH,
     Cluster,
     Link,
     Transfer,
@@ -28,7 +26,6 @@ from lightning_parallel.plan.network import (
     ring_segments,
     scatter,
     send,
-    wire_bytes,
 )
 
 MB = 1e6
@@ -163,9 +160,10 @@ def netns(test: Any) -> Any:
     return pytest.mark.netns(pytest.mark.skipif(REASON is not None, reason=REASON or "")(test))
 
 
-# Each host runs each collective (once to warm up, then `repeats` times, each after a barrier),
-# and reports its interface's tx_bytes and tx_packets per collective, less what a barrier and
-# the pause after it (for the last delayed ACKs) cost, and the median seconds a collective took.
+# Each host runs each collective (once to warm up, then `repeats` times, each after a barrier;
+# 20 times below 64 kB, whose bytes are few beside the barriers'), and reports its interface's
+# tx_bytes and tx_packets per collective, less what the same loop of barriers and the pause
+# after it (for the last delayed ACKs) cost alone, and the median seconds a collective took.
 _PROBE = """
 import json, os, statistics, sys, time
 import torch, torch.distributed as dist
@@ -188,17 +186,22 @@ def settle():
     dist.barrier(); time.sleep(0.3)
 def delta(start): return [b - a for a, b in zip(start, counters())]
 settle()
-start = counters(); settle(); idle = delta(start)
 report = {}
 for op, nbytes in sizes.items():
     tensor = torch.ones(1, dtype=torch.float64) if op == "loss" else torch.ones(int(nbytes) // 4)
+    count = repeats if nbytes >= 65536 else 20
     run(op, tensor); settle()
+    start = counters()
+    for _ in range(count):
+        dist.barrier()
+    settle()
+    idle = delta(start)
     seconds, start = [], counters()
-    for _ in range(repeats):
+    for _ in range(count):
         dist.barrier()
         begin = time.perf_counter(); run(op, tensor); seconds.append(time.perf_counter() - begin)
     settle()
-    sent, packets = [(d - (repeats + 1) * i) / repeats for d, i in zip(delta(start), idle)]
+    sent, packets = [(d - i) / count for d, i in zip(delta(start), idle)]
     report[op] = {"tx_bytes": sent, "tx_packets": packets, "seconds": statistics.median(seconds)}
 print(json.dumps(report), flush=True)
 dist.destroy_process_group()

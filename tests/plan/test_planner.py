@@ -349,14 +349,13 @@ def test_ddp_broadcasts_the_buffers_before_every_forward_and_averaging_averages_
     the parameters in one flat buffer (in full precision beside quantized parameters)."""
     from dataclasses import replace
 
-    from lightning_parallel.plan.data_parallel import buffer_broadcast
-    from lightning_parallel.plan.network import broadcast
+    from lightning_parallel.plan.network import broadcast, broadcast_mean
 
     plain, cluster = _profile(layers=False), _cluster()
     with_buffers = replace(plain, buffer_bytes=40_000, float_buffer_bytes=38_000)
     for spec in ("ddp", "ddp_powersgd", "hylo"):
         before, after = _one(spec, plain, cluster), _one(spec, with_buffers, cluster)
-        sent = buffer_broadcast(cluster, 40_000)
+        sent = broadcast_mean(cluster, 40_000)
         assert after.wire_bytes_per_step - before.wire_bytes_per_step == pytest.approx(
             sent.wire_bytes
         )
@@ -366,10 +365,10 @@ def test_ddp_broadcasts_the_buffers_before_every_forward_and_averaging_averages_
     before, after = _one("ddp", plain, cluster), _one("ddp", with_buffers, cluster)
     assert after.step_s - before.step_s == pytest.approx(sent.seconds)
     # 2 hosts: the root sends the one copy, the other host nothing: half of it a host
-    assert buffer_broadcast(cluster, 40_000).payload_bytes == pytest.approx(20_000)
+    assert broadcast_mean(cluster, 40_000).payload_bytes == pytest.approx(20_000)
     # 8 hosts: 7 copies over 8 hosts, where the root's host sends 3
     eight = _cluster(hosts=8)
-    assert buffer_broadcast(eight, 8_000).payload_bytes == pytest.approx(7_000)
+    assert broadcast_mean(eight, 8_000).payload_bytes == pytest.approx(7_000)
     assert broadcast(eight, 8_000).payload_bytes == pytest.approx(24_000)
     averaging = _one("model_averaging", with_buffers, cluster, algorithm="periodic", period=8)
     alone = _one("model_averaging", plain, cluster, algorithm="periodic", period=8)
