@@ -124,6 +124,39 @@ def test_profile_measures_and_leaves_the_model_untouched() -> None:
     assert all(c.forward_seconds > 0 and c.backward_seconds >= 0 for c in small.layers)
 
 
+def test_profile_warms_up_with_chained_passes_before_timing() -> None:
+    """Each warm pass runs every layer forward, in chain order, and backward once more than a
+    profile without them; the timings follow (see pipeline.profile's step 0)."""
+
+    class Counted(nn.Linear):
+        def __init__(self, log: list[tuple[str, int]], index: int) -> None:
+            super().__init__(4, 4)
+            self.log, self.index = log, index
+            self.weight.register_hook(self._backward)
+
+        def _backward(self, grad: torch.Tensor) -> None:
+            self.log.append(("backward", self.index))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.log.append(("forward", self.index))
+            return super().forward(x)
+
+    counts = {}
+    for passes in (0, 3):
+        log: list[tuple[str, int]] = []
+        layers = [Counted(log, 0), nn.ReLU(), Counted(log, 1)]
+        profile_layers(layers, (torch.randn(2, 4),), repeats=1, warm_passes=passes)
+        counts[passes] = log
+    extra = len(counts[3]) - len(counts[0])
+    # a warm pass: forward 0, forward 1, backward 1, backward 0
+    assert extra == 3 * 4
+    one_pass = [("forward", 0), ("forward", 1), ("backward", 1), ("backward", 0)]
+    assert counts[3][: 3 * 4] == one_pass * 3
+    assert counts[3][3 * 4 :] == counts[0]
+    with pytest.raises(ValueError, match="warm_passes"):
+        profile_layers(layers, (torch.randn(2, 4),), warm_passes=-1)
+
+
 def test_profile_counts_no_gradient_back_over_integer_outputs() -> None:
     class TokenIds(nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
