@@ -36,6 +36,7 @@ from lightning_parallel.comm.ledger import process_ledger
 from lightning_parallel.compat import check
 from lightning_parallel.compat.private import state_key as compat_state_key
 from lightning_parallel.compression import CostModel, HyloHook, HyloPolicy
+from lightning_parallel.compression.calibration import CALIBRATION_STEPS
 from lightning_parallel.compression.delta import CompressedDeltaMean
 from lightning_parallel.compression.exchange import TWO_BIT_EXCHANGES, check_piece_numel
 from lightning_parallel.compression.policy import (
@@ -133,7 +134,7 @@ class HyloCompression(Callback):
         exchange: str = "auto",
         cost_model: bool = True,
         bandwidth: float | None = None,
-        calibration_steps: int = 2,
+        calibration_steps: int = CALIBRATION_STEPS,
         per_layer_telemetry: bool = True,
         telemetry_every_n_steps: int = 10,
         seed: int = 0,

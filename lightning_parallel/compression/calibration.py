@@ -34,6 +34,9 @@ from lightning_parallel.compression.trials import try_candidates
 
 __all__: list[str] = []
 
+#: compressed steps the cost model measures before it decides (the hook's default)
+CALIBRATION_STEPS = 2
+
 
 class Calibration:
     """The calibration steps and the cost model's decision (see the module docstring).

@@ -11,6 +11,7 @@ accuracy).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -36,6 +37,12 @@ class Traffic:
             self.seconds += transfer.seconds * times
         self.payload_bytes += transfer.payload_bytes * times
         self.wire_bytes += transfer.wire_bytes * times
+        return self
+
+    def add_all(self, transfers: Sequence[Transfer]) -> Traffic:
+        """Count each of ``transfers`` once per step, waited for."""
+        for transfer in transfers:
+            self.add(transfer)
         return self
 
 

@@ -409,3 +409,71 @@ def test_no_gradient_comes_back_over_a_cut_after_integer_outputs() -> None:
         assert both.wire_bytes_per_step - forward_only.wire_bytes_per_step == pytest.approx(
             back, rel=1e-6
         ), spec
+
+
+def test_ddp_buckets_by_parameter_start_from_the_last_and_close_the_first_at_1_mib() -> None:
+    from lightning_parallel.plan.data_parallel import parameter_buckets
+
+    shapes = [ParameterShape(f"w{i}", (256, 512)) for i in range(60)]  # 0.5 MiB each
+    buckets = parameter_buckets(shapes)
+    assert [len(b) for b in buckets] == [2, 50, 8]
+    assert [p.name for p in buckets[0]] == ["w59", "w58"]
+    assert sum(len(b) for b in buckets) == 60
+
+
+def test_hylo_counts_its_calibration_steps_in_proportion_and_each_bucket_s_rounds() -> None:
+    """Hylo's first two steps send a large convolution as kernel top-k (the policy's first
+    candidate); the steady state as rank-8 factors. A run of N steps holds both in proportion;
+    each DDP bucket is exchanged in its own rounds."""
+    from lightning_parallel.compression.policy import HyloPolicy
+    from lightning_parallel.plan.data_parallel import _factor_bytes
+
+    conv = ParameterShape("conv", (256, 256, 3, 3))  # 2.25 MiB: kernel top-k, then factors
+    profile = StepProfile(
+        batch_size=32, forward_s=0.040, backward_s=0.080, optimizer_s=0.010,
+        parameters=(conv, ParameterShape("bias", (256,))), optimizer_state_bytes=4 * MB,
+        activation_bytes=1_000_000, trainer_step_s=0.150, peak_rss_bytes=500 * MB,
+    )  # fmt: skip
+    cluster = _cluster("1gbit")
+    steady = _one("hylo", profile, cluster)
+    assert steady.detail["low_rank_layers"] == 1
+    kernel = HyloPolicy().assign("conv", conv.shape)
+    assert kernel.route == "kernel"
+    # the bias closes no bucket: one bucket of both, rounds dense, P and Q
+    factors = _factor_bytes([conv], 8)
+    dense = 256 * 4
+    flag_and_buffers = steady.payload_bytes_per_step - dense - factors
+    assert 0 <= flag_and_buffers <= 8
+    calibration = kernel.codec.wire_nbytes(conv.shape) + dense
+    for steps in (2, 10, 50):
+        (run,) = predict(profile, cluster, [("hylo", "hylo", {})], RunLength(steps=steps))
+        expected = (2 * calibration + (steps - 2) * (dense + factors)) / steps
+        assert run.payload_bytes_per_step - flag_and_buffers == pytest.approx(expected)
+    # without the cost model there is no calibration
+    (plain,) = predict(
+        profile, cluster, [("hylo", "hylo", {"cost_model": False})], RunLength(steps=10)
+    )
+    assert plain.payload_bytes_per_step == pytest.approx(steady.payload_bytes_per_step)
+
+
+def test_hylo_exchanges_each_ddp_bucket_in_rounds_of_its_own() -> None:
+    from lightning_parallel.compression.policy import HyloPolicy
+    from lightning_parallel.plan.data_parallel import _chosen, _hylo_rounds, first
+
+    convs = [ParameterShape(name, (256, 256, 3, 3)) for name in ("a", "b")]
+    profile = StepProfile(
+        batch_size=32, forward_s=0.040, backward_s=0.080, optimizer_s=0.010,
+        parameters=(*convs, ParameterShape("bias", (256,))), optimizer_state_bytes=4 * MB,
+        activation_bytes=1_000_000,
+    )  # fmt: skip
+    cluster = _cluster("1gbit")
+    # buckets [bias, b] and [a]: the dense bias, P and Q; then P and Q
+    steady = _hylo_rounds(profile, cluster, _chosen({"a", "b"}, 8))
+    assert len(steady) == 5
+    # calibrating: each bucket's kernel norms, then its dense values with the selected kernels
+    calibrating = _hylo_rounds(profile, cluster, first(HyloPolicy()))
+    assert len(calibrating) == 4
+    codec = HyloPolicy().assign("a", convs[0].shape).codec
+    assert sum(t.payload_bytes for t in calibrating) == pytest.approx(
+        2 * codec.wire_nbytes(convs[0].shape) + 256 * 4
+    )
