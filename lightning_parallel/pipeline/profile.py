@@ -9,7 +9,7 @@ layer of a layer sequence, in order, on the output of the previous one, after
    from the kernel and took it back, faulting its pages in again on every backward: in
    GroPipe's setup on torchvision's ResNet-18 (micro-batches of 8) the profile took 71,000
    minor page faults where the same profile after three chained passes took 2,000-11,000, and
-   the backward of each 512x512x3x3 convolution measured 5.6-13 ms instead of 3.7-4.1. The
+   the backward of each 512x512x3x3 convolution measured 5.6-13 ms instead of 3.2-4.1. The
    inflated times moved the cut from 49 to 58 layers, a split that trained at 0.145 s a step
    where the cut at 49 trains at 0.110 (both measured, 80 steps at 100 Mbit/s);
 1. forward time: the fastest of ``repeats`` timed forwards (after one warm-up): other

@@ -458,7 +458,7 @@ def test_hylo_counts_its_calibration_steps_in_proportion_and_each_bucket_s_round
 
 def test_hylo_exchanges_each_ddp_bucket_in_rounds_of_its_own() -> None:
     from lightning_parallel.compression.policy import HyloPolicy
-    from lightning_parallel.plan.data_parallel import _chosen, _hylo_rounds, first
+    from lightning_parallel.plan.data_parallel import _chosen, _first_candidates, _hylo_rounds
 
     convs = [ParameterShape(name, (256, 256, 3, 3)) for name in ("a", "b")]
     profile = StepProfile(
@@ -471,7 +471,7 @@ def test_hylo_exchanges_each_ddp_bucket_in_rounds_of_its_own() -> None:
     steady = _hylo_rounds(profile, cluster, _chosen({"a", "b"}, 8))
     assert len(steady) == 5
     # calibrating: each bucket's kernel norms, then its dense values with the selected kernels
-    calibrating = _hylo_rounds(profile, cluster, first(HyloPolicy()))
+    calibrating = _hylo_rounds(profile, cluster, _first_candidates(HyloPolicy()))
     assert len(calibrating) == 4
     codec = HyloPolicy().assign("a", convs[0].shape).codec
     assert sum(t.payload_bytes for t in calibrating) == pytest.approx(
