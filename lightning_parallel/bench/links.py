@@ -100,4 +100,11 @@ def link_texts(measured: dict[str, Any], which: str) -> tuple[str, str] | None:
     return f"{bits / max(scale, 1.0):.4g}{unit}", f"{seconds * 1e6:.4g}us"
 
 
+def message_latency_text(measured: dict[str, Any]) -> str | None:
+    """The measured point-to-point latency between hosts, as ``Cluster.parse`` reads it;
+    ``None`` where it was not measured (one host, or a measurement from before it was)."""
+    seconds = (measured.get("inter") or {}).get("message_latency")
+    return None if seconds is None else f"{float(seconds) * 1e6:.4g}us"
+
+
 _UNITS = (("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3), ("bit", 0.0))

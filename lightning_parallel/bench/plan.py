@@ -62,6 +62,11 @@ def _parser() -> argparse.ArgumentParser:
         "--bandwidth", default="1gbit", help="between hosts, per host and direction"
     )
     parser.add_argument("--latency", default="1ms", help="one way, between hosts")
+    parser.add_argument(
+        "--message-latency",
+        default=None,
+        help="one way, a point-to-point message between hosts (default: --latency)",
+    )
     parser.add_argument("--intra-bandwidth", default=None, help="between processes of a host")
     parser.add_argument("--intra-latency", default=None)
     parser.add_argument("--hosts-per-link", type=int, default=1, help="hosts sharing an uplink")
@@ -230,6 +235,7 @@ def cluster_of(args: argparse.Namespace) -> Any:
         intra_bandwidth=args.intra_bandwidth,
         intra_latency=args.intra_latency,
         hosts_per_link=args.hosts_per_link,
+        message_latency=args.message_latency,
     )
     return replace(cluster, framing=ETHERNET if args.framing == "ethernet" else VETH)
 
@@ -246,12 +252,14 @@ def predictions_for(
     burst_bytes: float = 0.0,
     intra_bandwidth: str | None = None,
     intra_latency: str | None = None,
+    message_latency: str | None = None,
 ) -> list[dict[str, Any]]:
     """The predictions (JSON records, fastest first) for ``specs`` from a profile's record on
     the cluster given (no profiling: a plan for another cluster is instant); ``steps``: the
     run's length, whose one-off bytes then count per step as the bench counts them;
     ``burst_bytes``: the links' token bucket (the bench's simulated hosts); ``intra_*``: the
-    link inside a host (default: :class:`~lightning_parallel.plan.network.Cluster`'s)."""
+    link inside a host (default: :class:`~lightning_parallel.plan.network.Cluster`'s);
+    ``message_latency``: a point-to-point message's between hosts (default: ``latency``)."""
     from lightning_parallel.plan.network import Cluster
     from lightning_parallel.plan.planner import predict, ranked
     from lightning_parallel.plan.profile import StepProfile
@@ -260,7 +268,7 @@ def predictions_for(
     cluster = Cluster.parse(
         hosts=hosts, processes_per_host=processes_per_host, bandwidth=bandwidth,
         latency=latency, burst_bytes=burst_bytes, intra_bandwidth=intra_bandwidth,
-        intra_latency=intra_latency,
+        intra_latency=intra_latency, message_latency=message_latency,
     )  # fmt: skip
     loaded = StepProfile.from_dict(profile)
     run = run_length(loaded, cluster.world, steps)
@@ -295,7 +303,7 @@ def measure_into(args: argparse.Namespace) -> bool:
     """``--measure``: measure the launched world's links
     (:func:`~lightning_parallel.bench.links.join_and_measure`) and put its hosts and links in
     ``args``; whether this rank goes on to plan (rank 0)."""
-    from lightning_parallel.bench.links import join_and_measure, link_texts
+    from lightning_parallel.bench.links import join_and_measure, link_texts, message_latency_text
 
     measured = join_and_measure(args.accelerator)
     if measured is None:
@@ -304,6 +312,7 @@ def measure_into(args: argparse.Namespace) -> bool:
     inter, intra = link_texts(measured, "inter"), link_texts(measured, "intra")
     if inter is not None:
         args.bandwidth, args.latency = inter
+        args.message_latency = message_latency_text(measured)
     if intra is not None:
         args.intra_bandwidth, args.intra_latency = intra
     args.measured_links = measured
@@ -333,6 +342,7 @@ def run_plan(args: argparse.Namespace) -> dict[str, Any]:
         "cluster": {
             "hosts": cluster.hosts, "processes_per_host": cluster.processes_per_host,
             "bandwidth": args.bandwidth, "latency": args.latency, "straggler": args.straggler,
+            "message_latency": args.message_latency,
             "intra_bandwidth": args.intra_bandwidth, "intra_latency": args.intra_latency,
             # --measure: the probe's timings and fits
             "measured": getattr(args, "measured_links", None),

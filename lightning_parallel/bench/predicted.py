@@ -92,7 +92,7 @@ def predict_runs(
     the configured link, whose latency counts only where it was emulated (this kernel has no
     netem qdisc). The simulated hosts' token bucket lets its burst through at once after the
     link idled."""
-    from lightning_parallel.bench.links import link_texts
+    from lightning_parallel.bench.links import link_texts, message_latency_text
     from lightning_parallel.bench.plan import predictions_for
     from lightning_parallel.cluster.network import token_bucket_burst_bytes
     from lightning_parallel.cluster.units import parse_bandwidth
@@ -102,7 +102,9 @@ def predict_runs(
     if not latency_emulated:
         latency = "0"
     intra: tuple[str, str] | None = None
+    message: str | None = None
     if links is not None:
+        message = message_latency_text(links)
         inter = link_texts(links, "inter")
         if inter is not None:
             bandwidth, latency = (inter[0] if local else bandwidth), inter[1]
@@ -113,7 +115,7 @@ def predict_runs(
     record = predictions_for(
         profile, specs, hosts=config.hosts, processes_per_host=config.procs_per_host,
         bandwidth=bandwidth, latency=latency, steps=run_steps(profile, config),
-        burst_bytes=burst,
+        burst_bytes=burst, message_latency=message,
         intra_bandwidth=intra[0] if intra else None, intra_latency=intra[1] if intra else None,
     )  # fmt: skip
     return {p["spec"]: p for p in record}

@@ -28,6 +28,10 @@ hosts, whose ``tc`` adds no delay, a 64-byte allreduce between two hosts at 1 Gb
 either about 0.5 ms or about 3.5 ms, each about half the time (300 back to back: median
 2.9 ms, mean 2.5 ms): a millisecond or so a round that a law with ``L = 0`` leaves out.
 
+Between hosts a ping-pong of the small message between host 0's first rank and host 1's also
+gives a point-to-point message's latency (:func:`message_latency`), which the pipelines' laws
+take for the messages between their stages.
+
 Run as a program on every rank (``python -m lightning_parallel.plan.link_probe OUT.json``,
 the ``torch.distributed`` environment set): rank 0 writes the measurement as JSON.
 """
@@ -39,7 +43,7 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import timedelta
 
 import torch
@@ -79,6 +83,8 @@ class LinkFit:
         large_bytes: the large allreduce's size.
         large_s: the large allreduce's mean seconds.
         ranks: ranks in the ring that was timed.
+        message_latency: one-way seconds of a small message between two ranks whose receive
+            is posted (half a ping-pong's round trip); ``None``: not measured.
     """
 
     bandwidth: float
@@ -88,6 +94,7 @@ class LinkFit:
     large_bytes: int
     large_s: float
     ranks: int
+    message_latency: float | None = None
 
 
 @dataclass(frozen=True)
@@ -157,6 +164,34 @@ def _mean_allreduce_s(
     return float(agreed.item())
 
 
+def message_latency(
+    peer: int, repeats: int, warmup: int, device: torch.device, root: int = 0
+) -> float:
+    """Half the mean round trip of a ``SMALL_BYTES`` message from ``root`` to ``peer`` and
+    back, each round timed alone after ``warmup`` untimed ones (collective over the default
+    group: the two peers play ping-pong, every rank gets ``root``'s figure). A pipeline's
+    stages exchange such messages, with the receive posted: no collective's rounds."""
+    rank = dist.get_rank()
+    tensor = torch.zeros(SMALL_BYTES // 4, device=device)
+    seconds = []
+    if rank in (root, peer):
+        other = peer if rank == root else root
+        for index in range(warmup + repeats):
+            start = time.perf_counter()
+            if rank == root:
+                dist.send(tensor, other)
+                dist.recv(tensor, other)
+            else:
+                dist.recv(tensor, other)
+                dist.send(tensor, other)
+            if index >= warmup:
+                seconds.append(time.perf_counter() - start)
+    one_way = statistics.fmean(seconds) / 2.0 if seconds else 0.0
+    agreed = torch.tensor([one_way], dtype=torch.float64, device=device)
+    dist.broadcast(agreed, src=root)
+    return float(agreed.item())
+
+
 def _first_rank(group: ProcessGroup | None) -> int:
     return 0 if group is None else int(dist.get_global_rank(group, 0))
 
@@ -204,6 +239,10 @@ def measure_links(
     device = device or torch.device("cpu")
     hosts = world // processes_per_host
     inter = fit_group(world, device, None, repeats, framing=framing) if hosts > 1 else None
+    if inter is not None:  # host 0's first rank and host 1's
+        inter = replace(
+            inter, message_latency=message_latency(processes_per_host, repeats, 3, device)
+        )
     intra = None
     if processes_per_host > 1:
         groups = [

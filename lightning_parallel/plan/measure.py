@@ -191,7 +191,9 @@ def pipeline_layers(
                 args, kwargs = capture_call(owner, target.module, "training_step", micro, step_args)
                 call, inputs = stage_zero_inputs(None, False, args, kwargs)
                 layers, _, example = split_layers(target.module, inputs, call)
-                profile = profile_layers(layers, example, repeats=repeats, micro_batches=count)
+                profile = profile_layers(
+                    layers, example, repeats=repeats, micro_batches=count, weight_passes=True
+                )
                 costs = _to_chain_time(profile.layers, chain_seconds(layers, example, count))
                 profiles.append(
                     LayerProfile(_batch_size(micro), costs, profile.input_bytes, profile.tied)
@@ -246,6 +248,9 @@ def _to_chain_time(costs: Sequence[LayerCost], chain: float) -> tuple[LayerCost,
             cost,
             forward_seconds=cost.forward_seconds * scale,
             backward_seconds=cost.backward_seconds * scale,
+            deferred_seconds=None
+            if cost.deferred_seconds is None
+            else cost.deferred_seconds * scale,
         )
         for cost in costs
     )

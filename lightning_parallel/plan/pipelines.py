@@ -7,24 +7,31 @@ ones training will use. ``W / p`` pipelines of ``p`` stages train side by side; 
 stages sit on one host when it has ``p`` processes (the intra-host link between them), else on
 ``p`` hosts.
 
-**GroPipe** (``m`` micro-batches, 1F1B or GPipe, per-stage compute ``t_k`` a micro-batch, cut
-transfers ``x_j``; the split chosen with the transfers charged, as the strategy chooses it):
-``S = Σ t_k + Σ x_j + (m − 1)·max(t_k, x_j)`` (fill, then the slowest stage or cut paces:
-sends run beside the compute; charging both stages for every transfer, as the partitioner
-does to choose the split, predicted ``vgg_mini`` at 100 Mbit/s 43% slow), plus one
-link latency for each of the ``2(m + p − 2)`` crossings on the critical path, each stage's
-optimizer step on its share of the parameters (the slowest), the trainer's time, and the
-end-of-step summary (a small all-reduce in the pipeline). Across pipelines each stage's
-gradients are all-reduced among its ``W/p`` replicas when its last backward ends; a stage
-``k`` ends ``k`` micro-batch slots before stage 0, so that much of its all-reduce is hidden.
+**GroPipe** (``m`` micro-batches, 1F1B or GPipe; the split chosen with the transfers charged,
+as the strategy chooses it): the step's schedule is replayed operation by operation
+(:mod:`~lightning_parallel.plan.pipeline_timing`): each stage's forward and backward of a
+micro-batch, a message between stages sent once its receive is posted, at the link's
+point-to-point latency (:attr:`~lightning_parallel.plan.network.Link.point_latency`) and
+through the shaper's token bucket where there is one, and the deferred weight gradients after
+a stage's last backward. The step then adds each stage's optimizer step on its share of the
+parameters (the slowest), the trainer's time, and the end-of-step summary (a small all-reduce
+in the pipeline). The closed form it replaces (``Σ t_k + Σ x_j + (m − 1)·max(t_k, x_j)`` and
+a collective's latency for each of the ``2(m + p − 2)`` crossings) predicted ``vgg_mini`` at
+100 Mbit/s 0.121 s a step where it took 0.090 s (docs/choosing.md). Across pipelines each
+stage's gradients are all-reduced among its ``W/p`` replicas when its last backward ends; a
+stage ``k`` ends ``k`` micro-batch slots before stage 0, so that much of its all-reduce is
+hidden.
 
 **SpecTrain** (one micro-batch a step, never flushed): stages work on different batches at
-once, each busy ``busy_k`` a step (forward, backward, optimizer step and weight prediction,
-the trainer's time). Stage ``k`` starts its step once the step's activation has come through
-stages ``0..k−1`` (``lag_k = Σ_{j<k} (f_j + transfer_j)``), and stage 0 starts the next step
-once every stage has posted the step's telemetry all-reduce, so a step lasts
-``max_k (lag_k + busy_k)``, or the cut's transfer where the link is slower (the gradient comes
-back on the other host's link at the same time; tied tensors' exchanges add to it). An
+once, each busy ``busy_k`` a step (weight prediction ``w_k``, forward, backward, optimizer
+step, the trainer's time). A stage's weights are ``N−k−1`` updates stale and it predicts them
+before each forward; the last stage's never are. Stage ``k`` starts its step once the step's
+activation has come through stages ``0..k−1``: ``lag_k = Σ_{j<k} (w_j + f_j + g_j + a_j)``,
+where the activation's crossing ``a_j`` waits for the previous step's gradient ``g_j`` on the
+same connection (a gloo send starts once its receiver has posted the receive, and the
+receiver's notice queues behind the gradient it is sending). Every rank joins the trainer's
+flag broadcast before a batch, so a step lasts ``max_k (lag_k + busy_k)``, or the cut's
+transfer where the link is slower (tied tensors' exchanges add to it). An
 activation that fits the token bucket the link refilled while it idled (the bench's simulated
 hosts) delays the next stage by the latency alone: ``gpt`` at 10 Mbit/s, 16 kB of token ids a
 step, waited 1.4 ms for them where their bytes take 13 ms at the link's rate. With
@@ -60,6 +67,7 @@ from lightning_parallel.pipeline.partition import (
     partition,
     plan_for,
 )
+from lightning_parallel.pipeline.schedule import get_schedule
 from lightning_parallel.pipeline.summary import summary_width
 from lightning_parallel.plan.memory import peak_rss_mb
 from lightning_parallel.plan.network import (
@@ -70,6 +78,7 @@ from lightning_parallel.plan.network import (
     send,
     step_flag,
 )
+from lightning_parallel.plan.pipeline_timing import CutLink, StageTimes, flushing_step_seconds
 from lightning_parallel.plan.prediction import STEADY, Prediction, RunLength, Traffic, refused
 from lightning_parallel.plan.profile import StepProfile
 
@@ -166,6 +175,17 @@ def _base_bytes(profile: StepProfile) -> float:
     return profile.peak_rss_bytes - state - profile.activation_bytes
 
 
+def _stage_times(layers: Any, micro: int) -> StageTimes:
+    """A stage's forward and backward of one micro-batch, its deferred weight gradients
+    apart (computed once, after its last backward, for all ``micro`` micro-batches)."""
+    deferred = sum(c.deferred_seconds or 0.0 for c in layers)
+    return StageTimes(
+        forward=sum(c.forward_seconds for c in layers),
+        backward=sum(c.backward_seconds for c in layers) - deferred,
+        deferred=micro * deferred,
+    )
+
+
 def _stage_peak_mb(
     profile: StepProfile, stage_parameters: list[float], stage_activations: list[float]
 ) -> float | None:
@@ -205,26 +225,36 @@ def predict_gropipe(
     except PartitionError as error:
         return refused(spec, "gropipe", str(error))
     # the split is chosen as the strategy chooses it (compute and the cuts' transfers); the
-    # step then runs the stages' compute while the transfers go on beside it: a slot lasts the
-    # slowest stage's micro-batch or the slowest cut's transfer, whichever is longer
+    # step is then replayed operation by operation (plan.pipeline_timing): sends run beside
+    # the compute, a small activation passes in the shaper's burst
     work = plan_for(layers.model_profile(), plan.boundaries, micro, schedule)
-    cut_seconds = [
-        send(_pipeline_cluster(cluster, stages), layers.layers[b - 1].output_bytes).seconds
-        for b in plan.boundaries
-    ]
-    slot = max(max(work.stage_seconds), *cut_seconds)
-    fill = sum(work.stage_seconds) + sum(cut_seconds) + (micro - 1) * slot
-    latency = 2.0 * (micro + stages - 2) * link.latency
     edges = [0, *plan.boundaries, len(layers.layers)]
+    times = [_stage_times(layers.layers[a:b], micro) for a, b in itertools.pairwise(edges)]
+    slot = max(t.forward + t.backward for t in times)
+    pipeline = _pipeline_cluster(cluster, stages)
+    ends = flushing_step_seconds(
+        get_schedule(schedule).table(stages, micro),
+        times,
+        [float(layers.layers[b - 1].output_bytes) for b in plan.boundaries],
+        [float(layers.layers[b - 1].backward_bytes) for b in plan.boundaries],
+        CutLink(
+            seconds_per_byte,
+            link.point_latency,
+            link.burst_bytes if crosses_hosts else 0.0,
+        ),
+    )
+    fill = max(ends)
     stage_params = [
         float(sum(c.parameter_bytes for c in layers.layers[a:b]))
         for a, b in itertools.pairwise(edges)
     ]
     share = [p / max(1.0, sum(stage_params)) for p in stage_params]
     optimizer = max(profile.optimizer_s * s for s in share)
-    # the step's summary (pipeline.summary): float64 slots, waited for
-    summary_bytes = 8.0 * summary_width(stages)
-    summary = all_reduce(_pipeline_cluster(cluster, stages), summary_bytes, element_bytes=8)
+    # the step's summary (pipeline.summary): float64 slots, waited for; its bytes pass in the
+    # shaper's burst
+    summary = all_reduce(pipeline, 8.0 * summary_width(stages), element_bytes=8)
+    credit = link.burst_seconds(slot) if crosses_hosts else 0.0
+    summary_s = max(summary.messages * link.latency, summary.seconds - credit)
     # the trainer's SIGTERM flag before every batch: a later stage waits for its activation
     # longer than for rank 0's flag, so only its bytes count
     traffic = Traffic().add(summary).add(step_flag(cluster), waited=False)
@@ -258,7 +288,7 @@ def predict_gropipe(
         tied_s += transfer.seconds
     _link_probe(traffic, cluster, stages, run)
     compute = fill + optimizer + profile.overhead_s
-    step = compute + latency + summary.seconds + exposed_sync + tied_s
+    step = compute + summary_s + exposed_sync + tied_s
     busy = micro * sum(work.stage_seconds) / stages
     activations = [
         float(sum(c.activation_bytes for c in layers.layers[a:b])) * min(micro, stages - k)
@@ -270,7 +300,7 @@ def predict_gropipe(
         step_s=step,
         mean_step_s=step,
         compute_s=busy + optimizer + profile.overhead_s,
-        exposed_comm_s=latency + summary.seconds + exposed_sync + tied_s,
+        exposed_comm_s=summary_s + exposed_sync + tied_s,
         bubble_s=fill - busy,
         wire_bytes_per_step=traffic.wire_bytes,
         payload_bytes_per_step=traffic.payload_bytes,
@@ -284,6 +314,30 @@ def predict_gropipe(
             "cut_bytes": cut_bytes,
         },
     )
+
+
+def _prediction_seconds(
+    layers: Any, edges: list[int], share: list[float], optimizer_s: float, options: dict[str, Any]
+) -> list[float]:
+    """Each stage's weight prediction before a forward: a stage ``k`` of ``N`` runs on weights
+    ``N−k−1`` updates stale and predicts them (``v2``, ``v1``, ``auto``); the last stage's are
+    never stale. Measured per layer
+    (:attr:`~lightning_parallel.pipeline.profile.LayerCost.pass_seconds`); a profile without it:
+    the optimizer step's time on the stage's share of the parameters. On ``vgg_mini`` at
+    1 Gbit/s, 50 MB of weights on the last stage: its update took 9.3 ms and its forward what
+    the profile says, where a prediction too would have added 9.7 ms."""
+    if str(options.get("prediction", "auto")) not in ("auto", "v1", "v2"):
+        return [0.0] * len(share)
+    seconds = []
+    for k, (a, b) in enumerate(itertools.pairwise(edges)):
+        passes = [c.pass_seconds for c in layers[a:b]]
+        if k == len(share) - 1:
+            seconds.append(0.0)
+        elif all(p is not None for p in passes):
+            seconds.append(float(sum(p for p in passes if p is not None)))
+        else:
+            seconds.append(optimizer_s * share[k])
+    return seconds
 
 
 def predict_spectrain(
@@ -335,26 +389,27 @@ def predict_spectrain(
             transfer = all_reduce(replicas, params)
             traffic.add(transfer, times=micro / stages, waited=False)
             sync[k] = transfer.seconds
-    # optimizer step and weight prediction: two passes over the stage's parameters
+    predict = _prediction_seconds(layers.layers, edges, share, profile.optimizer_s, options)
     busy = [
-        micro * (t + 2.0 * profile.optimizer_s * s + reduce) + profile.overhead_s
-        for t, s, reduce in zip(plan.stage_seconds, share, sync)
+        micro * (t + before + profile.optimizer_s * s + reduce) + profile.overhead_s
+        for t, before, s, reduce in zip(plan.stage_seconds, predict, share, sync)
     ]
     cut_bytes = [float(layers.layers[b - 1].output_bytes) for b in plan.boundaries]
     back_bytes = [float(layers.layers[b - 1].backward_bytes) for b in plan.boundaries]
     transfer_s = 0.0
     pipeline = _pipeline_cluster(cluster, stages)
-    crossing = []
+    crossing: list[tuple[float, float]] = []  # per cut: the activation's and the gradient's
     for nbytes, back in zip(cut_bytes, back_bytes):
         transfer = send(pipeline, nbytes)
-        crossing.append(transfer.seconds)
+        returned = send(pipeline, back) if back else None
+        crossing.append((transfer.seconds, returned.seconds if returned else 0.0))
         transfer_s = max(transfer_s, micro * transfer.seconds)
         if crosses_hosts:
             # one activation forward and one gradient back (none over integer tensors) per
             # micro-batch, on two hosts
             traffic.add(transfer, times=micro / stages, waited=False)
-            if back:
-                traffic.add(send(pipeline, back), times=micro / stages, waited=False)
+            if returned is not None:
+                traffic.add(returned, times=micro / stages, waited=False)
     if crosses_hosts:
         _validation_traffic(traffic, cluster, run, groups, profile.batch_size, micro, cut_bytes)
     # a tied tensor at every update: its gradient summed over the holders and the owner's value
@@ -368,20 +423,28 @@ def predict_spectrain(
         transfer_s += micro * (summed.seconds + sent.seconds)
     _link_probe(traffic, cluster, stages, run)
     # stage k starts a step once the step's activation has come through stages 0..k-1, and
-    # stage 0 starts the next step once every stage has posted this step's telemetry
-    # all-reduce: a step lasts the longest of lag_k + busy_k
+    # every rank joins the trainer's flag broadcast before the next batch (a gloo send waits
+    # for its receiver: a barrier): a step lasts the longest of lag_k + busy_k
     forward = [
-        micro * sum(c.forward_seconds for c in layers.layers[a:b])
-        for a, b in itertools.pairwise(edges)
+        micro * (sum(c.forward_seconds for c in layers.layers[a:b]) + before)
+        for (a, b), before in zip(itertools.pairwise(edges), predict)
     ]
     # an activation that fits the token bucket a link refilled while it idled passes at once
     # (the simulated hosts' shaper; no bucket on a real link): it delays the next stage by the
-    # link's latency alone
+    # link's latency alone.
+    # A gloo send starts only once its receiver has posted the receive, and the receiver's
+    # notice travels on the connection the pair shares, behind what the receiver is sending:
+    # stage k posts the receive of step n's activation after its send of step n−1's gradient,
+    # which stage k−1 takes after its forward of step n. So the activation crosses after the
+    # gradient (``resnet18``'s cut at 1 Gbit/s, 1 MB each way, measured on a timeline:
+    # gradient 7.1 ms, then activation 6.5 ms; 13.6 ms from the forward's end to its arrival)
     idle = max(busy) - transfer_s
     credit = link.burst_seconds(idle) if crosses_hosts else 0.0
     lag = [0.0]
     for k in range(1, stages):
-        lag.append(lag[-1] + forward[k - 1] + max(link.latency, crossing[k - 1] - credit))
+        activation, gradient = crossing[k - 1]
+        behind = max(link.point_latency, gradient - credit) if gradient else 0.0
+        lag.append(lag[-1] + forward[k - 1] + behind + max(link.point_latency, activation - credit))
     step = max(max(start + work for start, work in zip(lag, busy)), transfer_s)
     activations = [
         float(sum(c.activation_bytes for c in layers.layers[a:b])) * (stages - k)

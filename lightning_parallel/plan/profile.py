@@ -215,6 +215,9 @@ class StepProfile:
                 cost,
                 forward_seconds=cost.forward_seconds * scale,
                 backward_seconds=cost.backward_seconds * scale,
+                deferred_seconds=None
+                if cost.deferred_seconds is None
+                else cost.deferred_seconds * scale,
                 activation_bytes=int(cost.activation_bytes * scale),
                 output_bytes=int(cost.output_bytes * scale),
                 gradient_bytes=None

@@ -124,6 +124,25 @@ def test_profile_measures_and_leaves_the_model_untouched() -> None:
     assert all(c.forward_seconds > 0 and c.backward_seconds >= 0 for c in small.layers)
 
 
+def test_profile_keeps_the_deferred_share_and_times_weight_passes_when_asked() -> None:
+    """A layer of deferred-gradient linears carries its share of the flush apart (inside its
+    backward); other layers carry 0. The weight pass is timed only on request, and a layer
+    without parameters takes none."""
+    model = nn.Sequential(nn.Sequential(nn.Linear(16, 64)), nn.ReLU(), nn.Linear(64, 4))
+    convert_deferred_weight_gradients(model[0])
+    example = (torch.randn(8, 16),)
+    plain = profile_layers(list(model), example, repeats=2, micro_batches=4)
+    assert all(c.pass_seconds is None for c in plain.layers)
+    deferred, relu, last = plain.layers
+    assert deferred.deferred_seconds is not None and deferred.deferred_seconds > 0
+    assert deferred.deferred_seconds < deferred.backward_seconds
+    assert relu.deferred_seconds == 0.0 and last.deferred_seconds == 0.0
+    timed = profile_layers(list(model), example, repeats=2, weight_passes=True)
+    assert timed.layers[0].pass_seconds > 0 and timed.layers[2].pass_seconds > 0
+    assert timed.layers[1].pass_seconds == 0.0
+    assert all(p.grad is None for p in model.parameters())
+
+
 def test_profile_warms_up_with_chained_passes_before_timing() -> None:
     """Each warm pass runs every layer forward, in chain order, and backward once more than a
     profile without them; the timings follow (see pipeline.profile's step 0)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -147,45 +148,72 @@ def test_the_parameter_server_mixes_fast_local_and_slow_remote_steps() -> None:
 def test_gropipe_takes_fill_drain_and_refuses_an_odd_world() -> None:
     profile = _profile()
     fast = _one("gropipe", profile, _cluster("100gbit"), stages=2, micro_batches=4)
-    # stages of two layers: 2 x 12 ms a micro-batch, (4 + 2 - 1) slots, optimizer's half
+    # stages of two layers: 8 ms forward, 16 ms backward a micro-batch; 1F1B replayed with
+    # 1 ms a message, each sent once its receive is posted (bytes take no time at 100 Gbit/s):
+    # stage 1 ends B3 at 111 ms, stage 0 ends B3 at 128 ms (the slots' 120 ms and 8 ms of
+    # messages on the critical path); then the optimizer's half and the trainer's time
     assert fast.detail["boundaries"] == [2]
-    slots = 5 * 0.024
-    crossings = 2 * (4 + 2 - 2) * 0.001  # one latency per crossing on the critical path
     summary = all_reduce(_cluster("100gbit"), 64.0).seconds
-    expected = slots + 0.005 + profile.overhead_s + crossings + summary
-    assert fast.step_s == pytest.approx(expected, rel=0.02)
-    assert fast.bubble_s == pytest.approx(slots - 4 * 0.024, rel=0.05)
+    expected = 0.128 + 0.005 + profile.overhead_s + summary
+    assert fast.step_s == pytest.approx(expected, rel=0.01)
+    assert fast.bubble_s == pytest.approx(0.128 - 4 * 0.024, rel=0.02)
     (odd,) = predict(profile, _cluster(hosts=3), [("gropipe", "gropipe", {"stages": 2})])
     assert odd.refused is not None and "multiple of stages" in odd.refused
 
 
 def test_spectrain_is_paced_by_its_slowest_stage_or_its_cut() -> None:
+    """Stage 1 (two layers, 60 ms) waits for stage 0's prediction (no ``pass_seconds`` in the
+    profile: the optimizer's time on its half, 5 ms) and forward (20 ms), then for the
+    previous step's gradient and this step's activation, one after the other on the link;
+    the last stage predicts nothing: its busy time is its layers, its optimizer step and the
+    trainer's time."""
     profile = _profile()
     fast = _one("spectrain", profile, _cluster("100gbit"), stages=2)
-    busy = 0.060 + 0.010 + profile.overhead_s  # two layers, optimizer and prediction, trainer
-    lag = 0.020 + send(_cluster("100gbit"), 64_000).seconds  # stage 0's forward, the cut
+    busy = 0.060 + 0.005 + profile.overhead_s
+    lag = 0.005 + 0.020 + 2 * send(_cluster("100gbit"), 64_000).seconds
     assert fast.step_s == pytest.approx(lag + busy, rel=0.01)
+    assert fast.detail["stage_busy_s"][0] == pytest.approx(0.060 + 0.010 + profile.overhead_s)
     slow = _one("spectrain", profile, _cluster("1mbit"), stages=2)
     cut = send(_cluster("1mbit"), 64_000).seconds
-    assert cut > busy and slow.step_s == pytest.approx(0.020 + cut + busy, rel=0.01)
+    assert cut > busy
+    assert slow.step_s == pytest.approx(0.005 + 0.020 + 2 * cut + busy, rel=0.01)
 
 
-def test_spectrain_s_activation_passes_at_once_through_a_refilled_token_bucket() -> None:
+def test_spectrain_s_messages_pass_at_once_through_a_refilled_token_bucket() -> None:
     """The bench's shaped links let a bucket's bytes through at once after they idled: a
-    64 kB activation a step, with the link idle most of the step, delays stage 1 by the
-    latency alone (measured: ``gpt`` at 10 Mbit/s waited 1.4 ms for 16 kB that take 13 ms at
-    the link's rate)."""
+    64 kB gradient and a 64 kB activation a step, with the link idle most of the step, delay
+    stage 1 by their latencies alone (measured: ``gpt`` at 10 Mbit/s waited 1.4 ms for 16 kB
+    that take 13 ms at the link's rate)."""
     profile = _profile()
     bucket = Cluster.parse(2, 1, "100mbit", "1ms", burst_bytes=250_000)
-    busy = 0.060 + 0.010 + profile.overhead_s
+    busy = 0.060 + 0.005 + profile.overhead_s
     assert _one("spectrain", profile, bucket, stages=2).step_s == pytest.approx(
-        0.020 + 0.001 + busy, rel=0.01
+        0.005 + 0.020 + 2 * 0.001 + busy, rel=0.01
     )
-    # without a bucket (a real link) the activation's bytes take their time
+    # without a bucket (a real link) the messages' bytes take their time
     plain = _one("spectrain", profile, _cluster("100mbit"), stages=2)
     assert plain.step_s == pytest.approx(
-        0.020 + send(_cluster("100mbit"), 64_000).seconds + busy, rel=0.01
+        0.005 + 0.020 + 2 * send(_cluster("100mbit"), 64_000).seconds + busy, rel=0.01
     )
+
+
+def test_spectrain_s_prediction_is_the_profiled_pass_on_the_stale_stages_only() -> None:
+    """With ``pass_seconds`` measured per layer, stage 0 of 2 spends its layers' passes before
+    each forward (on the critical path: stage 1 waits for it), the last stage none; with
+    ``prediction="none"`` no stage does."""
+    profile = _profile()
+    layers = tuple(
+        replace(p, layers=tuple(replace(c, pass_seconds=0.003) for c in p.layers))
+        for p in profile.layer_profiles
+    )
+    measured = replace(profile, layer_profiles=layers)
+    cluster = _cluster("100gbit")
+    cut = send(cluster, 64_000).seconds
+    busy = 0.060 + 0.005 + profile.overhead_s
+    predicted = _one("spectrain", measured, cluster, stages=2)
+    assert predicted.step_s == pytest.approx(0.006 + 0.020 + 2 * cut + busy, rel=0.01)
+    stale = _one("spectrain", measured, cluster, stages=2, prediction="none")
+    assert stale.step_s == pytest.approx(0.020 + 2 * cut + busy, rel=0.01)
 
 
 def test_a_run_shorter_than_its_periods_holds_only_the_rounds_its_steps_end() -> None:
