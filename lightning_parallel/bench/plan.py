@@ -253,13 +253,15 @@ def predictions_for(
     intra_bandwidth: str | None = None,
     intra_latency: str | None = None,
     message_latency: str | None = None,
+    warmup_steps: int = 0,
 ) -> list[dict[str, Any]]:
     """The predictions (JSON records, fastest first) for ``specs`` from a profile's record on
     the cluster given (no profiling: a plan for another cluster is instant); ``steps``: the
     run's length, whose one-off bytes then count per step as the bench counts them;
     ``burst_bytes``: the links' token bucket (the bench's simulated hosts); ``intra_*``: the
     link inside a host (default: :class:`~lightning_parallel.plan.network.Cluster`'s);
-    ``message_latency``: a point-to-point message's between hosts (default: ``latency``)."""
+    ``message_latency``: a point-to-point message's between hosts (default: ``latency``);
+    ``warmup_steps``: each rank's first steps the bench leaves out of its rates."""
     from lightning_parallel.plan.network import Cluster
     from lightning_parallel.plan.planner import predict, ranked
     from lightning_parallel.plan.profile import StepProfile
@@ -271,14 +273,15 @@ def predictions_for(
         intra_latency=intra_latency, message_latency=message_latency,
     )  # fmt: skip
     loaded = StepProfile.from_dict(profile)
-    run = run_length(loaded, cluster.world, steps)
+    run = run_length(loaded, cluster.world, steps, warmup_steps)
     predictions = ranked(predict(loaded, cluster, strategies, run))
     return [p.as_dict() for p in predictions]
 
 
-def run_length(profile: Any, world: int, steps: int | None) -> Any:
+def run_length(profile: Any, world: int, steps: int | None, warmup_steps: int = 0) -> Any:
     """A run of ``steps`` steps (``None``: the steady state) with the epoch length of the
-    profile's data split over ``world`` ranks (as a distributed sampler splits it)."""
+    profile's data split over ``world`` ranks (as a distributed sampler splits it); the bench
+    leaves each rank's first ``warmup_steps`` out of its rates."""
     from lightning_parallel.plan.prediction import RunLength
 
     samples = profile.notes.get("train_samples")
@@ -296,6 +299,7 @@ def run_length(profile: Any, world: int, steps: int | None) -> Any:
         train_samples=samples or None,
         validation_samples=validation or None,
         drop_last=bool(profile.notes.get("drop_last")),
+        warmup_steps=warmup_steps,
     )
 
 

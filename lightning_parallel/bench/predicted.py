@@ -115,7 +115,7 @@ def predict_runs(
     record = predictions_for(
         profile, specs, hosts=config.hosts, processes_per_host=config.procs_per_host,
         bandwidth=bandwidth, latency=latency, steps=run_steps(profile, config),
-        burst_bytes=burst, message_latency=message,
+        burst_bytes=burst, message_latency=message, warmup_steps=config.warmup_steps,
         intra_bandwidth=intra[0] if intra else None, intra_latency=intra[1] if intra else None,
     )  # fmt: skip
     return {p["spec"]: p for p in record}

@@ -36,8 +36,14 @@ the data loader, before the epoch's first step) and the waits at the meeting are
 Every reply carries the weights, every pushed gradient the gradient: the bench's interface
 counters see one parameter vector for each, on the server's host and the worker's. The first
 epoch's ``BEGIN`` precedes the bench's counting window (measured: its reply is not in the
-counters), so it is neither counted nor timed: training starts with every worker's first
-grant in hand.
+counters), so it is not counted, and training starts once every worker has its reply: traced
+in four runs (the client's requests and replies timed), rank 0's first step waited for the
+remote worker's first reply, 0.44 s (``gpt`` at 10 Mbit/s) to 4.3 s (``vgg_mini`` at
+100 Mbit/s). Before, the simulation started everyone at once, which let the remote worker's
+first gradient reach the server 3 to 4 s early, while rank 0 still had batches to take.
+
+Each worker's steps are logged (seconds, trained or skipped), so the run's samples per second
+are counted as the bench counts them: each rank's steps after its first ``warmup_steps``.
 """
 
 from __future__ import annotations
@@ -81,21 +87,34 @@ class RunCounts:
         replies: replies received inside the bench's counting window.
         seconds: the time of its steps: its clock when it stopped less the begin exchanges
             and the epochs' meetings (the waits at the drains are in its last steps).
+        step_log: per worker, each step's seconds and whether it trained its batch.
     """
 
     steps: list[int]
     pushes: list[int]
     replies: list[int]
     seconds: list[float] = field(default_factory=list)
+    step_log: list[list[tuple[float, bool]]] = field(default_factory=list)
 
-    def samples_per_s(self, batch_size: int) -> float:
-        """Samples the workers trained per second of their own runs, summed over the workers
-        (the bench's ``samples_per_s``: trained batches over each rank's time)."""
-        return sum(
-            batch_size * trained / seconds
-            for trained, seconds in zip(self.pushes, self.seconds)
-            if seconds > 0
-        )
+    def samples_per_s(self, batch_size: int, warmup_steps: int = 0) -> float:
+        """Samples the workers trained per second of their own steps, summed over the workers,
+        as the bench counts them: each worker's steps after its first ``warmup_steps`` (at
+        most all but one of worker 0's), so a remote worker with no more steps than that
+        counts nothing (``vgg_mini`` at 100 Mbit/s: 4 remote steps in a 40-step run)."""
+        logs = self.step_log or [[] for _ in self.pushes]
+        if not self.step_log or not warmup_steps:
+            return sum(
+                batch_size * trained / seconds
+                for trained, seconds in zip(self.pushes, self.seconds)
+                if seconds > 0
+            )
+        skip = min(warmup_steps, max(0, len(logs[0]) - 1))
+        total = 0.0
+        for log in logs:
+            seconds = sum(s for s, _ in log[skip:])
+            if seconds > 0:
+                total += batch_size * sum(trained for _, trained in log[skip:]) / seconds
+        return total
 
 
 @dataclass(order=True)
@@ -107,7 +126,7 @@ class _Request:
     held: int = field(default=0, compare=False)
     gradient: bool = field(default=False, compare=False)
     drain: bool = field(default=False, compare=False)
-    setup: bool = field(default=False, compare=False)  # before training starts: no time
+    setup: bool = field(default=False, compare=False)  # the first BEGIN: before training
 
 
 @dataclass(frozen=True)
@@ -133,6 +152,7 @@ class _Worker:
         self.counting = False
         self.idle = 0.0  # seconds outside its steps: begin exchanges, the epochs' meetings
         self.meet = 0.0
+        self.step_log: list[tuple[float, bool]] = []  # each step's seconds, and trained?
 
     def _exchange(self, request: _Request) -> Generator[_Request, _Reply, _Reply]:
         reply = yield request
@@ -147,8 +167,9 @@ class _Worker:
     def _ask(
         self, kind: str, want: int = 0, held: int = 0, drain: bool = False, setup: bool = False
     ) -> _Request:
-        """A request without a gradient (``setup``: before training starts, in no time)."""
-        arrives = self.now + (0.0 if setup else self.times.ask_s)
+        """A request without a gradient (``setup``: the first epoch's ``BEGIN``, before
+        training starts)."""
+        arrives = self.now + self.times.ask_s
         return _Request(arrives, self.index, kind, want, held, drain=drain, setup=setup)
 
     def _reserve(self) -> Generator[_Request, _Reply, bool]:
@@ -172,12 +193,16 @@ class _Worker:
             self.counting = True
             current = yield from self._reserve()
             drained = False
+            began = self.now  # a step runs from the previous one's end (the epoch's first:
+            # after its batch was fetched), the next batch's fetch included
             while current:
                 following = yield from self._reserve()
                 self.reserved = max(0, self.reserved - 1)
                 self.steps += 1
                 if self.allowance == 0:
                     current = following  # the grant went to a faster worker: skipped
+                    self.step_log.append((self.now - began, False))
+                    began = self.now
                     continue
                 self.allowance -= 1
                 self.now += self.times.compute_s
@@ -192,6 +217,8 @@ class _Worker:
                     drain=not following,
                 )
                 yield from self._exchange(request)
+                self.step_log.append((self.now - began, True))
+                began = self.now
                 drained = not following
                 current = following
             if not drained:
@@ -236,12 +263,16 @@ def simulate_run(
         times = workers[request.worker]
         return times.reply_s if request.gradient else times.fetch_s
 
+    # training starts once every worker has its first BEGIN's reply (the fit's start waits
+    # for the slowest)
+    start = max(t.ask_s + t.fetch_s for t in workers)
+
     def answer(
         request: _Request, granted: int, flags: ReplyFlag, at: float, meet: float = 0.0
     ) -> None:
         wait = delay(request)
         if request.setup:
-            at, wait = 0.0, 0.0
+            at, wait = start, 0.0
         try:
             following = protocols[request.worker].send(_Reply(at + wait, granted, flags, meet))
         except StopIteration:
@@ -273,4 +304,5 @@ def simulate_run(
         pushes=[state.pushes for state in states],
         replies=[state.replies for state in states],
         seconds=[state.now - state.idle for state in states],
+        step_log=[state.step_log for state in states],
     )

@@ -101,6 +101,8 @@ class RunLength:
         train_samples: samples of the training set (``None``: not known).
         validation_samples: samples of the validation set (``None``: not known).
         drop_last: the training loader drops an incomplete last batch.
+        warmup_steps: each rank's first steps the bench leaves out of its step times and
+            samples per second.
     """
 
     steps: int | None = None
@@ -108,6 +110,7 @@ class RunLength:
     train_samples: int | None = None
     validation_samples: int | None = None
     drop_last: bool = False
+    warmup_steps: int = 0
 
     def per_step(self, once: float) -> float:
         """``once`` (a one-off amount) per step of the run; 0 for the steady state."""

@@ -30,18 +30,29 @@ def test_every_batch_of_the_run_is_trained_once(workers, epoch_batches, run_batc
 
 
 def test_a_short_run_on_a_slow_link_ends_as_measured():
-    # vgg_mini on 2 hosts at 100 Mbit/s, 20 steps a rank (40 batches in the run's budget): the
-    # server's worker steps in 0.26 s, the remote one's gradient and weights (51.5 MB) take
-    # 4.3 s each way. Measured (bench --predict): rank 0 38 steps, rank 1 3 steps of which 2
-    # gradients; its host sent 2 parameter vectors, the server's host 3 (2 replies, 1 drain)
-    counts = simulate_run(
-        [WorkerTimes(0.259), WorkerTimes(0.2, push_s=4.3, reply_s=4.4, fetch_s=4.3)],
-        epoch_batches=23,
-        run_batches=40,
+    """``vgg16`` on 2 hosts at 10 Mbit/s, 60 steps a rank (120 batches in the run's budget): the
+    server's worker steps in 36.5 ms, the remote one's gradient and weights (3.7 MB) take 3.1 s
+    each way. Traced (the client's requests and replies, timed): the remote worker's first
+    ``BEGIN`` reply came at 3.08 s and rank 0's first step only then; rank 0 took 119 batches,
+    the remote worker trained 1 (its second grant went to rank 0, ``granted -1``) and drained
+    with an exchange of its own: 2 replies in the counting window."""
+    workers = [WorkerTimes(0.0365), WorkerTimes(0.0348, 3.09, 3.10, 0.0012, 3.09)]
+    counts = simulate_run(workers, epoch_batches=64, run_batches=120)
+    assert counts.steps == [119, 2]
+    assert counts.pushes == [119, 1]
+    assert counts.replies[1] == 2
+
+
+def test_training_starts_once_the_slowest_worker_has_its_first_begin_reply():
+    """Rank 0 (in-process) waits for the remote worker's first ``BEGIN`` reply (traced in 4
+    runs: 0.44 to 4.3 s) before its first step; that wait is outside its steps."""
+    fast = [WorkerTimes(0.1), WorkerTimes(0.1, 0.5, 0.5, 0.001, 0.001)]
+    slow = [WorkerTimes(0.1), WorkerTimes(0.1, 0.5, 0.5, 0.001, 5.0)]
+    assert simulate_run(slow, 10, 20).seconds[0] == pytest.approx(
+        simulate_run(fast, 10, 20).seconds[0], rel=0.05
     )
-    assert counts.steps == [38, 3]
-    assert counts.pushes[1] == 2
-    assert counts.replies[1] == 3
+    first = simulate_run(slow, 10, 20).step_log[1][0][0]
+    assert first == pytest.approx(0.1 + 0.5 + 0.5, rel=0.01)  # the remote's first step
 
 
 def test_the_workers_meet_between_epochs():
@@ -56,6 +67,18 @@ def test_the_workers_meet_between_epochs():
     assert sum(met.pushes) == sum(alone.pushes) == 80
     # the steps' time: the meetings and the begin exchanges are outside the bench's steps
     assert max(met.seconds) < 30 < min(alone.seconds)
+
+
+def test_the_rate_leaves_each_worker_s_first_steps_out_as_the_bench_does():
+    """The bench's samples per second skip each rank's first ``warmup_steps`` (at most all but
+    one of rank 0's): a remote worker that steps 3 times in the run counts nothing with 5."""
+    workers = [WorkerTimes(0.1), _remote(0.1, 2.0)]
+    counts = simulate_run(workers, epoch_batches=30, run_batches=60)
+    assert counts.steps[1] <= 5 < counts.steps[0]
+    steady = counts.samples_per_s(32, warmup_steps=5)
+    log = counts.step_log[0][5:]
+    assert steady == pytest.approx(32 * sum(t for _, t in log) / sum(s for s, _ in log))
+    assert counts.samples_per_s(32) > steady  # the remote worker's batches count without it
 
 
 def test_a_run_needs_a_length():

@@ -145,6 +145,18 @@ def test_the_parameter_server_mixes_fast_local_and_slow_remote_steps() -> None:
     assert ps.step_s < ps.mean_step_s < remote
 
 
+def test_the_parameter_server_s_vectors_pass_a_burst_through_a_refilled_token_bucket() -> None:
+    """On the bench's shaped links each direction idles between a remote worker's exchanges,
+    so each of its two vectors passes the bucket's burst at once (``gpt`` at 10 Mbit/s: an
+    exchange of 0.845 s where the vectors' bytes take 0.919 s)."""
+    profile = _profile()
+    plain = _one("parameter_server", profile, _cluster("10mbit"))
+    bucket = Cluster.parse(2, 1, "10mbit", "1ms", burst_bytes=70_000)
+    shaped = _one("parameter_server", profile, bucket)
+    saved = plain.detail["remote_worker_step_s"] - shaped.detail["remote_worker_step_s"]
+    assert saved == pytest.approx(2 * 70_000 * 8 / 10e6, rel=0.01)
+
+
 def test_gropipe_takes_fill_drain_and_refuses_an_odd_world() -> None:
     profile = _profile()
     fast = _one("gropipe", profile, _cluster("100gbit"), stages=2, micro_batches=4)
