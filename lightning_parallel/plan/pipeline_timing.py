@@ -96,7 +96,7 @@ def flushing_step_seconds(
         ValueError: the table and the times disagree, or the table deadlocks.
     """
     count = len(table)
-    if len(stages) != count or len(forward_bytes) != count - 1 != len(backward_bytes):
+    if len(stages) != count or {len(forward_bytes), len(backward_bytes)} != {count - 1}:
         raise ValueError("one StageTimes per stage and one message size per cut are needed")
     free = [0.0] * count
     position = [0] * count

@@ -66,3 +66,7 @@ def test_a_table_that_cannot_finish_is_refused() -> None:
     stages = [StageTimes(1.0, 1.0)] * 2
     with pytest.raises(ValueError, match="deadlocks"):
         flushing_step_seconds(backward_first, stages, [0.0], [0.0], FREE)
+    table = get_schedule("1f1b").table(2, 2)
+    for forward, backward in (([0.0], []), ([], [0.0]), ([0.0, 0.0], [0.0, 0.0])):
+        with pytest.raises(ValueError, match="one message size per cut"):
+            flushing_step_seconds(table, stages, forward, backward, FREE)
