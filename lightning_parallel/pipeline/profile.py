@@ -350,6 +350,12 @@ def profile_layers(
     return ModelProfile(tuple(costs), nbytes(example_args), tied_layers(layers))
 
 
+def _mean_of(values: Sequence[float | None]) -> float | None:
+    """The mean of the measured ``values`` (``None`` where none was measured)."""
+    measured = [v for v in values if v is not None]
+    return sum(measured) / len(measured) if measured else None
+
+
 def mean_profile(profiles: Sequence[ModelProfile]) -> ModelProfile:
     """Per-layer forward and backward times averaged over ``profiles`` (the bytes of the first).
 
@@ -370,10 +376,8 @@ def mean_profile(profiles: Sequence[ModelProfile]) -> ModelProfile:
             output_bytes=layer.output_bytes,
             parameter_bytes=layer.parameter_bytes,
             gradient_bytes=layer.gradient_bytes,
-            pass_seconds=layer.pass_seconds,
-            deferred_seconds=None
-            if layer.deferred_seconds is None
-            else sum(p.layers[i].deferred_seconds or 0.0 for p in profiles) / count,
+            pass_seconds=_mean_of([p.layers[i].pass_seconds for p in profiles]),
+            deferred_seconds=_mean_of([p.layers[i].deferred_seconds for p in profiles]),
         )
         for i, layer in enumerate(first.layers)
     )

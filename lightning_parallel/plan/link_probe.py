@@ -184,6 +184,8 @@ def message_latency(
             else:
                 dist.recv(tensor, other)
                 dist.send(tensor, other)
+            if device.type == "cuda":  # NCCL's calls return once queued
+                torch.cuda.synchronize(device)
             if index >= warmup:
                 seconds.append(time.perf_counter() - start)
     one_way = statistics.fmean(seconds) / 2.0 if seconds else 0.0

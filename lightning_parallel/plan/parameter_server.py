@@ -140,7 +140,7 @@ def predict_parameter_server(
         # the rate over the run: a worker that waits for a slow remote one at each epoch's
         # drain trains fewer samples a second than its steady steps say (measured: vgg16 at
         # 10 Mbit/s, 401 samples/s where the steady rates gave 878)
-        samples_per_s = counts.samples_per_s(profile.batch_size, run.warmup_steps)
+        samples_per_s = counts.samples_per_s(profile.batch_size, run.warmup_steps) or samples_per_s
     hosts = cluster.hosts
     wire = (pull.wire_bytes * replies + push.wire_bytes * pushes) / hosts if hosts > 1 else 0.0
     payload = (

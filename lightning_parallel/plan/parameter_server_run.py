@@ -101,16 +101,15 @@ class RunCounts:
         as the bench counts them: each worker's steps after its first ``warmup_steps`` (at
         most all but one of worker 0's), so a remote worker with no more steps than that
         counts nothing (``vgg_mini`` at 100 Mbit/s: 4 remote steps in a 40-step run)."""
-        logs = self.step_log or [[] for _ in self.pushes]
         if not self.step_log or not warmup_steps:
             return sum(
                 batch_size * trained / seconds
                 for trained, seconds in zip(self.pushes, self.seconds)
                 if seconds > 0
             )
-        skip = min(warmup_steps, max(0, len(logs[0]) - 1))
+        skip = min(warmup_steps, max(0, len(self.step_log[0]) - 1))
         total = 0.0
-        for log in logs:
+        for log in self.step_log:
             seconds = sum(s for s, _ in log[skip:])
             if seconds > 0:
                 total += batch_size * sum(trained for _, trained in log[skip:]) / seconds

@@ -21,6 +21,11 @@ once its receive is posted: a message leaves at ``max(sent, posted + L)``, cross
 after the direction's earlier messages, through the shaper's token bucket where there is one,
 and arrives ``L`` later. After its last backward a stage runs its deferred weight gradients.
 Plain Python, no torch.
+
+Not modelled: the shaper is per host (one queue a host and direction), where the replay keeps
+one bucket per cut and direction, so a middle stage of 3 or more across hosts gets its two
+cuts' bursts; and a receive's notice that queues behind a gradient its stage is sending (the
+no-flush pipeline's law counts it, :mod:`~lightning_parallel.plan.pipelines`).
 """
 
 from __future__ import annotations
@@ -88,8 +93,8 @@ def flushing_step_seconds(
         table: the schedule's actions of every stage.
         stages: each stage's times.
         forward_bytes: per cut, an activation's bytes.
-        backward_bytes: per cut, a gradient's bytes (0: none crosses back; the message still
-            costs its latency).
+        backward_bytes: per cut, a gradient's bytes (0: none crosses back over an integer
+            cut; the replay still charges the message's latency, an upper bound).
         link: the link every cut crosses.
 
     Raises:
