@@ -63,7 +63,8 @@ class LayerCost:
     #: profile from before it was), taken as ``output_bytes``
     gradient_bytes: int | None = None
     #: what a no-flush stage does to the layer's weights before a forward when they are
-    #: stale (:func:`parameter_pass_seconds`). ``None``: not measured (a profile from before)
+    #: stale (:mod:`~lightning_parallel.pipeline.noflush.weight_pass`). ``None``: not
+    #: measured (a profile from before, or not asked for)
     pass_seconds: float | None = None
     #: of ``backward_seconds``, the share of the deferred weight gradients computed once after
     #: the stage's last backward (:mod:`~lightning_parallel.pipeline.weight_grad`); ``None``:
@@ -165,41 +166,13 @@ def clock() -> float:
     return time.perf_counter()
 
 
-def _fastest_seconds(run: Callable[[], object], repeats: int) -> float:
+def fastest_seconds(run: Callable[[], object], repeats: int) -> float:
     samples = []
     for _ in range(repeats):
         start = clock()
         run()
         samples.append(clock() - start)
     return min(samples)
-
-
-def parameter_pass_seconds(parameters: Sequence[torch.Tensor], repeats: int) -> float:
-    """Fastest of ``repeats`` runs of what a no-flush stage does to its weights before each
-    forward when they are stale: the predicted weights ``W − c·D``, one new tensor per
-    parameter; the prediction-error meter's samples of them and of the live weights; the
-    predicted weights loaded into the parameters and the live ones put back. Per tensor work
-    and fresh pages, not arithmetic: on timm's ViT-Tiny the first half of the parameters
-    (76 tensors, 11 MB) take 3.8 ms, where the stage's SGD step takes about 2."""
-    from lightning_parallel.pipeline.noflush.error import PredictionErrorMeter
-
-    tensors = list(parameters)
-    if not tensors:
-        return 0.0
-    meter = PredictionErrorMeter(tensors)
-
-    def run() -> None:
-        with torch.no_grad():
-            predicted = [torch.add(t, t, alpha=-1e-3) for t in tensors]
-        meter.record(0, predicted)
-        live = [t.data for t in tensors]
-        for tensor, weights in zip(tensors, predicted):
-            tensor.data = weights
-        for tensor, weights in zip(tensors, live):
-            tensor.data = weights
-
-    run()
-    return _fastest_seconds(run, repeats)
 
 
 def _shared_flush_seconds(layers: Sequence[Any], micro_batches: int, repeats: int) -> float:
@@ -292,7 +265,7 @@ def profile_layers(
         repeats: timed runs per layer; the fastest is kept.
         micro_batches: micro-batches per step (shares deferred weight-gradient work).
         warm_passes: whole-chain passes before the timings (:func:`warm_up`).
-        weight_passes: also time each layer's :func:`parameter_pass_seconds` (a plan's
+        weight_passes: also time each layer's weight pass (``pass_seconds``; a plan's
             prediction of SpecTrain needs it; a strategy's partition does not).
     """
     if repeats < 1 or warm_passes < 0:
@@ -300,6 +273,8 @@ def profile_layers(
             f"repeats must be at least 1 and warm_passes at least 0, got {repeats} and "
             f"{warm_passes}"
         )
+    if weight_passes:  # the no-flush runtime's work: imported only when asked for
+        from lightning_parallel.pipeline.noflush.weight_pass import weight_pass_seconds
     costs = []
     with timing_passes(layers) as parameters:
         warm_up(layers, example_args, warm_passes)
@@ -312,7 +287,7 @@ def profile_layers(
                 return call_layer(layer, inputs, first)
 
             output = forward()  # warm-up
-            forward_seconds = _fastest_seconds(forward, repeats)
+            forward_seconds = fastest_seconds(forward, repeats)
             meter = SavedTensorMeter(parameters)
             with meter.hooks():
                 output = forward()
@@ -340,7 +315,7 @@ def profile_layers(
                     output_bytes=nbytes(output),
                     parameter_bytes=sum(p.numel() * p.element_size() for p in layer_parameters),
                     gradient_bytes=floating_nbytes(output),
-                    pass_seconds=parameter_pass_seconds(layer_parameters, repeats)
+                    pass_seconds=weight_pass_seconds(layer_parameters, repeats)
                     if weight_passes
                     else None,
                     deferred_seconds=flush_seconds,

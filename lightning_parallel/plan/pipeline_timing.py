@@ -25,7 +25,7 @@ Plain Python, no torch.
 Not modelled: the shaper is per host (one queue a host and direction), where the replay keeps
 one bucket per cut and direction, so a middle stage of 3 or more across hosts gets its two
 cuts' bursts; and a receive's notice that queues behind a gradient its stage is sending (the
-no-flush pipeline's law counts it, :mod:`~lightning_parallel.plan.pipelines`).
+no-flush pipeline's law counts it, :mod:`~lightning_parallel.plan.spectrain`).
 """
 
 from __future__ import annotations

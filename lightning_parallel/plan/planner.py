@@ -20,9 +20,10 @@ from lightning_parallel.plan.averaging import predict_averaging
 from lightning_parallel.plan.data_parallel import predict_ddp, predict_hylo, predict_powersgd
 from lightning_parallel.plan.network import Cluster
 from lightning_parallel.plan.parameter_server import predict_parameter_server
-from lightning_parallel.plan.pipelines import predict_gropipe, predict_spectrain
+from lightning_parallel.plan.pipelines import predict_gropipe
 from lightning_parallel.plan.prediction import STEADY, Prediction, RunLength, refused
 from lightning_parallel.plan.profile import StepProfile
+from lightning_parallel.plan.spectrain import predict_spectrain
 
 __all__: list[str] = []
 
