@@ -138,7 +138,9 @@ class _BudgetedIterator(Iterator[Any]):
     def __next__(self) -> Any:
         if not self.begun:
             self.begun = True
-            self.client.begin_epoch(self.batches or 0)
+            self.client.begin_epoch(
+                self.batches or 0, reserving=self.batches is not None and self.owner.deferred
+            )
         if self.batches is not None:
             client = self.client
             granted = client.reserve_batch() if self.owner.deferred else client.take_batch()

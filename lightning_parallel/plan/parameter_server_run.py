@@ -13,11 +13,8 @@ workers that follow the client's protocol
 (:class:`~lightning_parallel.parameter_server.client.ParameterClient` under Lightning, which
 fetches one batch ahead):
 
-1. an epoch begins with a ``BEGIN`` exchange (the reply grants batches); the client has
-   reserved none of the epoch's batches yet, so it flags the request ``KEEPS_GRANTS`` and the
-   server lends none of them before the worker's next request (traced on torchvision's
-   ResNet-18 at 100 Mbit/s: lending them cost the remote worker one trained batch of its 3,
-   bytes −13.6%);
+1. an epoch begins with a ``BEGIN`` exchange (the reply grants batches; all but one may be
+   lent to faster workers before the worker speaks again, as after any request);
 2. fetching a batch reserves a granted one; with none left to reserve the worker first asks
    for more (a ``CLAIM`` exchange), and a worker told the epoch is over stops fetching: the
    batch before is its last;
@@ -287,8 +284,7 @@ def simulate_run(
         request = heapq.heappop(queue)
         clock[0] = request.arrives
         if request.kind == "begin":
-            # a BEGIN keeps its grants (step 1)
-            granted, flags = budget.begin(request.worker, per_epoch, request.want, lends=False)
+            granted, flags = budget.begin(request.worker, per_epoch, request.want)
         elif request.drain:
             draining[request.worker] = request
             if len(draining) == len(live):

@@ -211,6 +211,9 @@ def test_unbounded_run_is_stale_and_budget_favours_fast_workers():
         loader = BudgetedLoader([_batch(rank, i) for i in range(batches)], lambda: runtime.client)
         counts = []
         for _ in range(2):  # two epochs
+            # the ranks meet before each epoch, as Lightning's validation makes them: a rank
+            # that began alone could spend its own batches before the others' joined the pool
+            torch.distributed.barrier()
             iterator, taken = iter(loader), 0
             batch = next(iterator)
             while batch is not None:
@@ -235,6 +238,54 @@ def test_unbounded_run_is_stale_and_budget_favours_fast_workers():
         assert per_rank[2] < batches < max(per_rank[:2])  # the straggler took less
     (trace,) = results[0][1]
     assert max(s for _, s in trace) >= 2
+
+
+@pytest.mark.slow
+def test_a_slow_worker_s_begin_grant_goes_to_the_fast_worker_at_the_epoch_s_end():
+    """As under Lightning: the loader reserves each batch as it is fetched (one ahead) and the
+    trainer spends the grant as the batch starts. Rank 1 takes 0.5 s a batch, rank 0 a few ms;
+    4 batches each, a pool of 8. In epoch 2 the server knows rank 1 is slower, and when rank 0
+    has emptied the pool it takes the second batch rank 1 was granted at its ``BEGIN``: rank 1
+    trains one batch and skips one, and rank 0 does not wait for a second slow batch. Before,
+    the ``BEGIN`` kept its grants (its request flagged ``KEEPS_GRANTS``) and epoch 2 went 6
+    and 2, like epoch 1. The ranks meet before each epoch, as Lightning's validation makes
+    them, and rank 0 takes 50 ms a batch: without either it may spend its own 4 batches
+    before rank 1's ``BEGIN`` adds rank 1's to the pool."""
+    world, batches = 2, 4
+
+    def fn(rank, world):
+        model = _model()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        runtime = ParameterServerRuntime(optimizer, UpdatePolicy(staleness="inverse"))
+        loader = BudgetedLoader(
+            [_batch(rank, i) for i in range(batches)], lambda: runtime.client, deferred=True
+        )
+        epochs = []
+        for _ in range(2):
+            torch.distributed.barrier()
+            iterator, trained, skipped = iter(loader), 0, 0
+            batch = next(iterator)
+            while batch is not None:
+                following = next(iterator, None)  # prefetch one, as Lightning does
+                if runtime.client.start_batch():
+                    optimizer.zero_grad()
+                    nn.functional.cross_entropy(model(batch[0]), batch[1]).backward()
+                    time.sleep(0.5 if rank == 1 else 0.05)
+                    runtime.client.step(True, drain=following is None)
+                    trained += 1
+                else:
+                    skipped += 1
+                    if following is None:
+                        runtime.client.drain()
+                batch = following
+            epochs.append((trained, skipped))
+        runtime.close()
+        return epochs
+
+    fast, slow = run_distributed(fn, world, timeout=90)
+    assert fast[0][0] + slow[0][0] == fast[1][0] + slow[1][0] == world * batches
+    assert slow[0] == (2, 0)  # epoch 1: the server does not know rank 1's pace yet
+    assert slow[1] == (1, 1) and fast[1] == (7, 0)
 
 
 @pytest.mark.slow
