@@ -20,8 +20,9 @@ every step. Every ``H`` steps (``period``) a round averages the replicas:
 
 So ``F`` steps of every ``H`` carry a round and the others are local: the median step is the
 local step when rounds are fewer than half the steps (the bench's median), the mean adds
-``F/H`` of a round, or over a run of given length the rounds its training steps end
-(:func:`step_rounds`: a 30-step run of ``period=16`` ends one round, not 30/16).
+``F/H`` of a round, or over a run of given length the rounds its training steps run
+(:func:`step_rounds`: a 30-step run of ``period=16`` runs one round, not 30/16; one due at an
+epoch's last step runs before the validation, outside the steps).
 """
 
 from __future__ import annotations
@@ -116,16 +117,32 @@ def round_counts(run: RunLength, period: int, fragments: int, consensus: bool = 
 
 
 def step_rounds(run: RunLength, period: int, fragments: int) -> float:
-    """Fragment rounds ended inside training steps, per step: what a step's time carries.
-    Steady state ``F/H``; over a run, each epoch's own rounds from a fresh schedule (the
-    consensus before a validation is not a training step's)."""
+    """Fragment rounds run inside the bench's counted training steps, per counted step: what
+    a step's time carries.
+
+    Steady state ``F/H``. Over a run: a round due after step ``s`` runs as step ``s + 1``
+    starts (the strategy's ``on_train_batch_start``), so only rounds with a training step
+    after them in the same stretch count. Where the run validates every epoch, the round due
+    at an epoch's last step runs before the validation instead (``on_validation_start``,
+    outside the steps) and the schedule starts afresh after it; the round due at the run's last
+    step runs at the end of ``fit``. The bench leaves each rank's first ``warmup_steps`` out of
+    its rates, and the rounds run in them. Measured: timm's ViT-Tiny on 2 hosts at 100 Mbit/s,
+    ``diloco`` (``period=16``, epochs of 32, 100 steps): 3.2 rounds' time inside the steps of
+    the 6 rounds exchanged, where counting every round an epoch's steps end predicted 329
+    samples/s against 444 measured.
+    """
     if not run.steps:
         return fragments / period
-    epoch = run.epoch_steps or run.steps
-    full, left = divmod(run.steps, epoch)
-    return (full * _rounds_in(epoch, period, fragments) + _rounds_in(left, period, fragments)) / (
-        run.steps
-    )
+    stretch = run.epoch_steps if run.epoch_steps and run.validation_samples else run.steps
+    phases = [round((f + 1) * period / fragments) for f in range(fragments)]
+    counted, start = 0, 0
+    while start < run.steps:
+        length = min(stretch, run.steps - start)
+        for phase in phases:
+            # due after the stretch's step ``due``; it runs in the next step, if one follows
+            counted += sum(start + due >= run.warmup_steps for due in range(phase, length, period))
+        start += length
+    return counted / (run.steps - min(run.warmup_steps, run.steps - 1))
 
 
 def predict_averaging(

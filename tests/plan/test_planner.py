@@ -235,8 +235,21 @@ def test_a_run_shorter_than_its_periods_holds_only_the_rounds_its_steps_end() ->
 
     assert step_rounds(RunLength(), 16, 1) == 1 / 16
     assert step_rounds(RunLength(steps=30), 16, 1) == 1 / 30
-    # epochs of 22: rounds at 8 and 16 in each, the schedule fresh after each validation
-    assert step_rounds(RunLength(steps=40, epoch_steps=22), 8, 1) == 4 / 40
+    # epochs of 22 validated: rounds at 8 and 16 in each, the schedule fresh after each
+    assert step_rounds(RunLength(steps=40, epoch_steps=22, validation_samples=64), 8, 1) == 4 / 40
+    # the round due at a validated epoch's last step runs before the validation, outside the
+    # steps (timm's ViT-Tiny, epochs of 32, 100 steps: 3 of the 6 rounds' time in the steps)
+    validated = RunLength(steps=100, epoch_steps=32, validation_samples=256)
+    assert step_rounds(validated, 16, 1) == 3 / 100
+    # without a validation the schedule runs on: every round but one due at the run's end
+    assert step_rounds(RunLength(steps=100, epoch_steps=32), 16, 1) == 6 / 100
+    assert step_rounds(RunLength(steps=96, epoch_steps=32), 16, 1) == 5 / 96
+    # the bench's rate leaves each rank's first steps out: their rounds too
+    assert step_rounds(RunLength(steps=100, epoch_steps=32, validation_samples=256,
+                                 warmup_steps=5), 16, 1) == 3 / 95  # fmt: skip
+    assert step_rounds(RunLength(steps=40, warmup_steps=9), 8, 1) == 3 / 31
+    # staggered fragments (4 of a period of 16): phases 4, 8, 12, 16
+    assert step_rounds(RunLength(steps=32, epoch_steps=32, validation_samples=64), 16, 4) == 7 / 32
     profile, cluster = _profile(), _cluster()
     steady = _one("diloco", profile, cluster, algorithm="outer_optimizer", period=16)
     (short,) = predict(
