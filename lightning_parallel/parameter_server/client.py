@@ -206,8 +206,9 @@ class ParameterClient:
 
     def start_batch(self) -> bool:
         """Spend the grant of a reserved batch as it starts; ``False``: it went to another
-        worker (skip the batch). Always ``True`` when no batch was reserved this epoch (a
-        loader without a length trains on its own data, outside the budget)."""
+        worker (skip the batch). Always ``True`` when the epoch began without ``reserving`` and
+        no batch was reserved (a loader without a length trains on its own data, outside the
+        budget)."""
         if not self.reserving:
             return True
         self.reserved = max(0, self.reserved - 1)

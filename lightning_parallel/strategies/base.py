@@ -49,6 +49,7 @@ from pytorch_lightning.callbacks import Callback
 from pytorch_lightning.strategies import DDPStrategy
 from pytorch_lightning.utilities.exceptions import SIGTERMException
 from pytorch_lightning.utilities.rank_zero import rank_zero_warn
+from torch import Tensor
 from torch.distributed.constants import default_pg_timeout
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
@@ -140,6 +141,9 @@ class ParallelStrategyBase(DDPStrategy):
     #: :mod:`~lightning_parallel.comm.accounting` counts (``CommStats`` then adds no estimate
     #: of DDP's C++ allreduce on top); a callback may say the same of itself
     reports_communication: ClassVar[bool] = False
+    #: read rank 0's per-batch SIGTERM flag one batch late (:class:`LateSigtermFlag`), so that
+    #: no rank waits for the others at every batch (a pipeline that never flushes)
+    sigterm_read_late: ClassVar[bool] = False
 
     def __init__(
         self, start_method: str = "popen", timeout: timedelta | None = None, **kwargs: Any
@@ -166,6 +170,7 @@ class ParallelStrategyBase(DDPStrategy):
         #: checkpoints asked for after the run raised (each arrival has its own name)
         self._failed_saves = 0
         self._restore_sigterm: Callable[[], None] | None = None
+        self._late_sigterm: LateSigtermFlag | None = None
         self._attached: list[tuple[list[Callback], Callback]] = []
 
     def strategy_callbacks(self, trainer: pl.Trainer) -> list[Callback]:
@@ -264,9 +269,17 @@ class ParallelStrategyBase(DDPStrategy):
         super().on_train_start()
         trainer = attached_trainer(self.lightning_module)
         if trainer is not None and self.world_size > 1 and self._restore_sigterm is None:
-            self._restore_sigterm = replace_sigterm_broadcast(
-                trainer, _sigterm_broadcast(trainer), keep_existing=True
-            )
+            check: Callable[[], None] = _sigterm_broadcast(trainer)
+            if self.sigterm_read_late:
+                check = self._late_sigterm = LateSigtermFlag(trainer)
+            self._restore_sigterm = replace_sigterm_broadcast(trainer, check, keep_existing=True)
+
+    @override
+    def on_train_end(self) -> None:
+        late, self._late_sigterm = self._late_sigterm, None
+        if late is not None:
+            late.drain()
+        super().on_train_end()
 
     # -- failures ----------------------------------------------------------------------------
 
@@ -382,6 +395,44 @@ def _sigterm_broadcast(trainer: pl.Trainer) -> Callable[[], None]:
             raise SIGTERMException()
 
     return broadcast
+
+
+class LateSigtermFlag:
+    """Rank 0's SIGTERM flag, broadcast before every training batch without waiting for it.
+
+    The broadcast launched at batch ``n`` is read at batch ``n + 1``: every rank stops at the
+    same batch, one batch later than under Lightning's blocking broadcast, and no rank waits
+    for the others to reach the batch. For a pipeline that never flushes (SpecTrain) the
+    blocking broadcast made every stage wait, at every batch, for the last stage to finish its
+    step: measured on timm's ViT-Tiny on 2 hosts at 100 Mbit/s, stage 0 idled 29 ms of a
+    76 ms step between its update and its next forward, until stage 1's update had ended.
+    """
+
+    def __init__(self, trainer: pl.Trainer) -> None:
+        self.trainer = trainer
+        self.pending: tuple[Any, Tensor] | None = None
+
+    def __call__(self) -> None:
+        received = 1 if getattr(self.trainer, "received_sigterm", False) else 0
+        flag = to_group(torch.tensor([received], device=self.trainer.strategy.root_device))
+        previous = self.pending
+        self.pending = (dist.broadcast(flag, src=0, async_op=True), flag)
+        if previous is not None and _read(previous):
+            with suppress(Exception):
+                dist.barrier()  # every rank leaves together, as Lightning's does
+            raise SIGTERMException()
+
+    def drain(self) -> None:
+        """Complete the broadcast still in flight (at the end of training)."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            _read(pending)
+
+
+def _read(pending: tuple[Any, Tensor]) -> bool:
+    work, flag = pending
+    work.wait()
+    return bool(flag.item() == 1)
 
 
 def _notes(exception: BaseException) -> list[str]:

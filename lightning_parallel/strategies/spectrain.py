@@ -107,6 +107,7 @@ class SpecTrainStrategy(SpecTrainTraining):
     reports_communication = True
     step_activity = "no-flush pipeline"
     flushes = False
+    sigterm_read_late = True
 
     def __init__(
         self,
