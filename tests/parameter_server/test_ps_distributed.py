@@ -240,6 +240,26 @@ def test_unbounded_run_is_stale_and_budget_favours_fast_workers():
     assert max(s for _, s in trace) >= 2
 
 
+def test_a_begin_lends_its_grants_only_for_a_worker_that_reserves_one_batch_at_a_time():
+    """The ``BEGIN`` request's flag, as the server reads it: lending with ``reserving=True``,
+    keeping its grants without it, and kept whatever is said by a worker that may start
+    several batches between requests (``overlap=True``)."""
+
+    def fn(rank, world):
+        seen = []
+        for overlap, reserving in ((False, True), (False, False), (True, True)):
+            model = _model()
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            runtime = ParameterServerRuntime(optimizer, UpdatePolicy(), overlap=overlap)
+            runtime.client.begin_epoch(4, reserving=reserving)
+            (host,) = runtime.local_hosts.values()
+            seen.append(host.server._worker(rank).lends)
+            runtime.close()
+        return seen
+
+    assert run_distributed(fn, 1, timeout=60) == [[True, False, False]]
+
+
 @pytest.mark.slow
 def test_a_slow_worker_s_begin_grant_goes_to_the_fast_worker_at_the_epoch_s_end():
     """As under Lightning: the loader reserves each batch as it is fetched (one ahead) and the
