@@ -61,7 +61,7 @@ from lightning_parallel.plan.network import (
 )
 from lightning_parallel.plan.pipeline_timing import CutLink, StageTimes, flushing_step_seconds
 from lightning_parallel.plan.prediction import STEADY, Prediction, RunLength, Traffic, refused
-from lightning_parallel.plan.profile import StepProfile
+from lightning_parallel.plan.profile import LayerProfile, StepProfile
 
 __all__: list[str] = []
 
@@ -180,6 +180,21 @@ def _stage_peak_mb(
     return peak_rss_mb(profile, _base_bytes(profile) - profile.peak_rss_bytes + max(peaks))
 
 
+def _stage_setup(
+    spec: str, family: str, profile: StepProfile, cluster: Cluster, stages: int, micro: int
+) -> tuple[LayerProfile, Link, bool, float] | Prediction:
+    """What both pipelines start from: the layer profile at the micro-batch size, the link
+    between the stages (and whether it is the hosts'), and its measured seconds per byte as
+    the strategies' link probe gives it; or the refusal."""
+    reason = _check(spec, family, profile, cluster, stages)
+    layers = profile.layers_at(max(1, profile.batch_size // micro))
+    if reason or layers is None:
+        return refused(spec, family, reason or "no layer profile")
+    link, crosses_hosts = _stage_link(cluster, stages)
+    probe = send(_pipeline_cluster(cluster, stages), 2**20)
+    return layers, link, crosses_hosts, (probe.seconds - link.latency) / 2**20
+
+
 def predict_gropipe(
     spec: str,
     profile: StepProfile,
@@ -191,13 +206,10 @@ def predict_gropipe(
     stages = int(options.get("stages", 2))
     micro = int(options.get("micro_batches", 4))
     schedule = str(options.get("schedule", "1f1b"))
-    reason = _check(spec, "gropipe", profile, cluster, stages)
-    layers = profile.layers_at(max(1, profile.batch_size // micro))
-    if reason or layers is None:
-        return refused(spec, "gropipe", reason or "no layer profile")
-    link, crosses_hosts = _stage_link(cluster, stages)
-    probe = send(_pipeline_cluster(cluster, stages), 2**20)
-    seconds_per_byte = (probe.seconds - link.latency) / 2**20
+    setup = _stage_setup(spec, "gropipe", profile, cluster, stages, micro)
+    if isinstance(setup, Prediction):
+        return setup
+    layers, link, crosses_hosts, seconds_per_byte = setup
     try:
         plan = partition(
             layers.model_profile(), stages, micro, schedule=schedule,

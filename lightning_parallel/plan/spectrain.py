@@ -34,12 +34,11 @@ from lightning_parallel.pipeline.noflush.mirror import mirror_width
 from lightning_parallel.pipeline.partition import PartitionError, partition, plan_for
 from lightning_parallel.plan.network import Cluster, all_reduce, broadcast, send, step_flag
 from lightning_parallel.plan.pipelines import (
-    _check,
     _link_probe,
     _pipeline_cluster,
     _replica_cluster,
-    _stage_link,
     _stage_peak_mb,
+    _stage_setup,
     _tied_across_stages,
     _validation_traffic,
 )
@@ -87,13 +86,10 @@ def predict_spectrain(
     """``spectrain`` with its options (see the module docstring)."""
     stages = int(options.get("stages", 2))
     micro = int(options.get("micro_batches", 1))
-    reason = _check(spec, "spectrain", profile, cluster, stages)
-    layers = profile.layers_at(max(1, profile.batch_size // micro))
-    if reason or layers is None:
-        return refused(spec, "spectrain", reason or "no layer profile")
-    link, crosses_hosts = _stage_link(cluster, stages)
-    probe = send(_pipeline_cluster(cluster, stages), 2**20)
-    seconds_per_byte = (probe.seconds - link.latency) / 2**20
+    setup = _stage_setup(spec, "spectrain", profile, cluster, stages, micro)
+    if isinstance(setup, Prediction):
+        return setup
+    layers, link, crosses_hosts, seconds_per_byte = setup
     try:
         plan = partition(
             layers.model_profile(), stages, 1, schedule="1f1b",

@@ -386,15 +386,24 @@ def _sigterm_broadcast(trainer: pl.Trainer) -> Callable[[], None]:
     raises (a lost peer) instead of reading as "no SIGTERM" and waiting again elsewhere."""
 
     def broadcast() -> None:
-        received = 1 if getattr(trainer, "received_sigterm", False) else 0
-        flag = to_group(torch.tensor([received], device=trainer.strategy.root_device))
+        flag = _own_flag(trainer)
         dist.broadcast(flag, src=0)
         if flag.item() == 1:
-            with suppress(Exception):
-                dist.barrier()  # every rank leaves together, as Lightning's does
-            raise SIGTERMException()
+            _leave_together()
 
     return broadcast
+
+
+def _own_flag(trainer: pl.Trainer) -> Tensor:
+    """This rank's SIGTERM flag, on the device the group reduces on."""
+    received = 1 if getattr(trainer, "received_sigterm", False) else 0
+    return to_group(torch.tensor([received], device=trainer.strategy.root_device))
+
+
+def _leave_together() -> None:
+    with suppress(Exception):
+        dist.barrier()  # every rank leaves together, as Lightning's does
+    raise SIGTERMException()
 
 
 class LateSigtermFlag:
@@ -413,14 +422,11 @@ class LateSigtermFlag:
         self.pending: tuple[Any, Tensor] | None = None
 
     def __call__(self) -> None:
-        received = 1 if getattr(self.trainer, "received_sigterm", False) else 0
-        flag = to_group(torch.tensor([received], device=self.trainer.strategy.root_device))
+        flag = _own_flag(self.trainer)
         previous = self.pending
         self.pending = (dist.broadcast(flag, src=0, async_op=True), flag)
         if previous is not None and _read(previous):
-            with suppress(Exception):
-                dist.barrier()  # every rank leaves together, as Lightning's does
-            raise SIGTERMException()
+            _leave_together()
 
     def drain(self) -> None:
         """Complete the broadcast still in flight (at the end of training)."""
