@@ -103,7 +103,17 @@ def link_texts(measured: dict[str, Any], which: str) -> tuple[str, str] | None:
 def message_latency_text(measured: dict[str, Any]) -> str | None:
     """The measured point-to-point latency between hosts, as ``Cluster.parse`` reads it;
     ``None`` where it was not measured (one host, or a measurement from before it was)."""
-    seconds = (measured.get("inter") or {}).get("message_latency")
+    return _seconds_text((measured.get("inter") or {}).get("message_latency"))
+
+
+def busy_receive_text(measured: dict[str, Any]) -> str | None:
+    """The measured extra seconds of a large request into a host whose ranks compute
+    (:func:`~lightning_parallel.plan.link_probe.busy_receive_extra`), as ``Cluster.parse``
+    reads it; ``None`` where it was not measured."""
+    return _seconds_text((measured.get("inter") or {}).get("busy_receive"))
+
+
+def _seconds_text(seconds: float | None) -> str | None:
     return None if seconds is None else f"{float(seconds) * 1e6:.4g}us"
 
 

@@ -67,6 +67,12 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="one way, a point-to-point message between hosts (default: --latency)",
     )
+    parser.add_argument(
+        "--busy-receive",
+        default=None,
+        help="what a large request takes longer into a host whose ranks compute (default 0; "
+        "--measure measures it)",
+    )
     parser.add_argument("--intra-bandwidth", default=None, help="between processes of a host")
     parser.add_argument("--intra-latency", default=None)
     parser.add_argument("--hosts-per-link", type=int, default=1, help="hosts sharing an uplink")
@@ -236,6 +242,7 @@ def cluster_of(args: argparse.Namespace) -> Any:
         intra_latency=args.intra_latency,
         hosts_per_link=args.hosts_per_link,
         message_latency=args.message_latency,
+        busy_receive=args.busy_receive,
     )
     return replace(cluster, framing=ETHERNET if args.framing == "ethernet" else VETH)
 
@@ -253,6 +260,7 @@ def predictions_for(
     intra_bandwidth: str | None = None,
     intra_latency: str | None = None,
     message_latency: str | None = None,
+    busy_receive: str | None = None,
     warmup_steps: int = 0,
 ) -> list[dict[str, Any]]:
     """The predictions (JSON records, fastest first) for ``specs`` from a profile's record on
@@ -261,6 +269,7 @@ def predictions_for(
     ``burst_bytes``: the links' token bucket (the bench's simulated hosts); ``intra_*``: the
     link inside a host (default: :class:`~lightning_parallel.plan.network.Cluster`'s);
     ``message_latency``: a point-to-point message's between hosts (default: ``latency``);
+    ``busy_receive``: what a large request takes longer into a computing host (default 0);
     ``warmup_steps``: each rank's first steps the bench leaves out of its rates."""
     from lightning_parallel.plan.network import Cluster
     from lightning_parallel.plan.planner import predict, ranked
@@ -271,6 +280,7 @@ def predictions_for(
         hosts=hosts, processes_per_host=processes_per_host, bandwidth=bandwidth,
         latency=latency, burst_bytes=burst_bytes, intra_bandwidth=intra_bandwidth,
         intra_latency=intra_latency, message_latency=message_latency,
+        busy_receive=busy_receive,
     )  # fmt: skip
     loaded = StepProfile.from_dict(profile)
     run = run_length(loaded, cluster.world, steps, warmup_steps)
@@ -307,7 +317,12 @@ def measure_into(args: argparse.Namespace) -> bool:
     """``--measure``: measure the launched world's links
     (:func:`~lightning_parallel.bench.links.join_and_measure`) and put its hosts and links in
     ``args``; whether this rank goes on to plan (rank 0)."""
-    from lightning_parallel.bench.links import join_and_measure, link_texts, message_latency_text
+    from lightning_parallel.bench.links import (
+        busy_receive_text,
+        join_and_measure,
+        link_texts,
+        message_latency_text,
+    )
 
     measured = join_and_measure(args.accelerator)
     if measured is None:
@@ -317,6 +332,7 @@ def measure_into(args: argparse.Namespace) -> bool:
     if inter is not None:
         args.bandwidth, args.latency = inter
         args.message_latency = message_latency_text(measured)
+        args.busy_receive = busy_receive_text(measured)
     if intra is not None:
         args.intra_bandwidth, args.intra_latency = intra
     args.measured_links = measured
@@ -346,7 +362,7 @@ def run_plan(args: argparse.Namespace) -> dict[str, Any]:
         "cluster": {
             "hosts": cluster.hosts, "processes_per_host": cluster.processes_per_host,
             "bandwidth": args.bandwidth, "latency": args.latency, "straggler": args.straggler,
-            "message_latency": args.message_latency,
+            "message_latency": args.message_latency, "busy_receive": args.busy_receive,
             "intra_bandwidth": args.intra_bandwidth, "intra_latency": args.intra_latency,
             # --measure: the probe's timings and fits
             "measured": getattr(args, "measured_links", None),

@@ -92,7 +92,7 @@ def predict_runs(
     the configured link, whose latency counts only where it was emulated (this kernel has no
     netem qdisc). The simulated hosts' token bucket lets its burst through at once after the
     link idled."""
-    from lightning_parallel.bench.links import link_texts, message_latency_text
+    from lightning_parallel.bench.links import busy_receive_text, link_texts, message_latency_text
     from lightning_parallel.bench.plan import predictions_for
     from lightning_parallel.cluster.network import token_bucket_burst_bytes
     from lightning_parallel.cluster.units import parse_bandwidth
@@ -103,8 +103,9 @@ def predict_runs(
         latency = "0"
     intra: tuple[str, str] | None = None
     message: str | None = None
+    busy: str | None = None
     if links is not None:
-        message = message_latency_text(links)
+        message, busy = message_latency_text(links), busy_receive_text(links)
         inter = link_texts(links, "inter")
         if inter is not None:
             bandwidth, latency = (inter[0] if local else bandwidth), inter[1]
@@ -115,7 +116,8 @@ def predict_runs(
     record = predictions_for(
         profile, specs, hosts=config.hosts, processes_per_host=config.procs_per_host,
         bandwidth=bandwidth, latency=latency, steps=run_steps(profile, config),
-        burst_bytes=burst, message_latency=message, warmup_steps=config.warmup_steps,
+        burst_bytes=burst, message_latency=message, busy_receive=busy,
+        warmup_steps=config.warmup_steps,
         intra_bandwidth=intra[0] if intra else None, intra_latency=intra[1] if intra else None,
     )  # fmt: skip
     return {p["spec"]: p for p in record}

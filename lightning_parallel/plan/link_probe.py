@@ -32,6 +32,14 @@ Between hosts a ping-pong of the small message between host 0's first rank and h
 gives a point-to-point message's latency (:func:`message_latency`), which the pipelines' laws
 take for the messages between their stages.
 
+Last, host 1's first rank sends host 0's first rank requests as a parameter server's worker
+does, first while host 0's ranks idle, then while each computes (:func:`busy_receive_extra`).
+Where a host has no core to spare, the threads that read a request wait for the
+computation's time slice: on this machine's simulated hosts (one core each, not pinned) a
+request of 0.5 to 4 MiB at 1 Gbit/s and 100 Mbit/s took 2.5 to 3.7 ms longer, where the
+sender computed before it sent; 0.1 ms where it slept instead, or sent with a blocking send.
+The parameter server's law adds it to every gradient pushed to the server's host.
+
 Run as a program on every rank (``python -m lightning_parallel.plan.link_probe OUT.json``,
 the ``torch.distributed`` environment set): rank 0 writes the measurement as JSON.
 """
@@ -42,7 +50,9 @@ import json
 import os
 import statistics
 import sys
+import threading
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from datetime import timedelta
 
@@ -67,6 +77,12 @@ LARGE_MIN_RATIO = 8.0
 LARGE_MIN_SECONDS = 0.02
 #: the large allreduce never exceeds this many bytes
 LARGE_MAX_BYTES = 64 * 2**20
+#: how long the busy-receive probe's sender computes before each request, as a worker does
+BUSY_GAP_S = 0.02
+#: the busy-receive probe's request: at least this many bytes (beyond a shaper's burst) ...
+BUSY_MIN_BYTES = 256 * 2**10
+#: ... and at most this many seconds of timed rounds a phase
+BUSY_PHASE_SECONDS = 1.0
 #: how long the probe's process groups wait for a peer (a dead host ends it, never hangs it)
 PROBE_TIMEOUT = timedelta(minutes=5)
 
@@ -85,6 +101,8 @@ class LinkFit:
         ranks: ranks in the ring that was timed.
         message_latency: one-way seconds of a small message between two ranks whose receive
             is posted (half a ping-pong's round trip); ``None``: not measured.
+        busy_receive: mean seconds a ``large_bytes`` message from host 1 takes longer while
+            host 0's ranks compute (:func:`busy_receive_extra`); ``None``: not measured.
     """
 
     bandwidth: float
@@ -95,6 +113,7 @@ class LinkFit:
     large_s: float
     ranks: int
     message_latency: float | None = None
+    busy_receive: float | None = None
 
 
 @dataclass(frozen=True)
@@ -194,6 +213,95 @@ def message_latency(
     return float(agreed.item())
 
 
+def busy_receive_extra(
+    sender: int,
+    nbytes: int,
+    repeats: int,
+    device: torch.device,
+    receiver: int = 0,
+    receiver_host: Sequence[int] = (0,),
+) -> float:
+    """The mean seconds a request of ``nbytes`` from ``sender`` to ``receiver`` and its small
+    reply take longer while every rank of ``receiver_host`` computes than while they idle (at
+    least 0; collective over the default group, every rank gets the sender's figure).
+
+    The request goes as a parameter-server worker's does: the sender computes for
+    :data:`BUSY_GAP_S`, posts the reply's receives, and sends a header and the payload
+    without blocking; the receiver receives the two, then sends a header and
+    :data:`SMALL_BYTES` back. Each phase times ``repeats`` such rounds on the sender, after one
+    untimed; in the busy phase each rank of the receiver's host runs a thread of small matrix
+    products, as a training step keeps its core busy. Where the hosts have no core to spare,
+    the receiver's threads wait for a time slice to read the request (module docstring)."""
+    rank = dist.get_rank()
+    header = torch.zeros(8, dtype=torch.int64, device=device)
+    answer = torch.zeros_like(header)
+    payload = torch.zeros(max(1, nbytes // 4), device=device)
+    reply = torch.zeros(SMALL_BYTES // 4, device=device)
+    means = []
+    for busy in (False, True):
+        stop = threading.Event()
+        computing = None
+        if busy and rank in receiver_host:
+            computing = threading.Thread(target=_compute, args=(stop, None), daemon=True)
+            computing.start()
+        dist.barrier()
+        seconds = []
+        for index in range(repeats + 1):
+            if rank == sender:
+                _compute(threading.Event(), BUSY_GAP_S)
+                start = time.perf_counter()
+                _wait_all(
+                    dist.irecv(answer, receiver),
+                    dist.irecv(reply, receiver),
+                    dist.isend(header, receiver),
+                    dist.isend(payload, receiver),
+                )
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                if index:
+                    seconds.append(time.perf_counter() - start)
+            elif rank == receiver:
+                dist.recv(header, sender)
+                dist.recv(payload, sender)
+                _wait_all(dist.isend(header, sender), dist.isend(reply, sender))
+        stop.set()
+        if computing is not None:
+            computing.join()
+        means.append(statistics.fmean(seconds) if seconds else 0.0)
+    agreed = torch.tensor([max(0.0, means[1] - means[0])], dtype=torch.float64, device=device)
+    dist.broadcast(agreed, src=sender)
+    return float(agreed.item())
+
+
+def _wait_all(*works: dist.Work | None) -> None:
+    for work in works:
+        if work is not None:
+            work.wait()
+
+
+def _compute(stop: threading.Event, seconds: float | None) -> None:
+    """Keep a core busy with small products on the CPU (each releases the interpreter's lock,
+    as a training step's operations do) for ``seconds``, or until ``stop`` is set."""
+    end = float("inf") if seconds is None else time.perf_counter() + seconds
+    matrix = torch.randn(64, 64)
+    while not stop.is_set() and time.perf_counter() < end:
+        matrix = torch.tanh(matrix @ matrix)
+
+
+def _busy_receive(
+    inter: LinkFit, processes_per_host: int, repeats: int, device: torch.device
+) -> float:
+    """:func:`busy_receive_extra` from host 1's first rank to host 0's, with a request of the
+    large allreduce's size (:data:`BUSY_MIN_BYTES` at least), as many rounds as fit
+    :data:`BUSY_PHASE_SECONDS` (4 to ``repeats // 5``, at least 4)."""
+    nbytes = max(inter.large_bytes, BUSY_MIN_BYTES)
+    round_s = BUSY_GAP_S + inter.large_s * nbytes / inter.large_bytes
+    rounds = max(4, min(max(4, repeats // 5), int(BUSY_PHASE_SECONDS / round_s)))
+    return busy_receive_extra(
+        processes_per_host, nbytes, rounds, device, receiver_host=range(processes_per_host)
+    )
+
+
 def _first_rank(group: ProcessGroup | None) -> int:
     return 0 if group is None else int(dist.get_global_rank(group, 0))
 
@@ -243,7 +351,9 @@ def measure_links(
     inter = fit_group(world, device, None, repeats, framing=framing) if hosts > 1 else None
     if inter is not None:  # host 0's first rank and host 1's
         inter = replace(
-            inter, message_latency=message_latency(processes_per_host, repeats, 3, device)
+            inter,
+            message_latency=message_latency(processes_per_host, repeats, 3, device),
+            busy_receive=_busy_receive(inter, processes_per_host, repeats, device),
         )
     intra = None
     if processes_per_host > 1:

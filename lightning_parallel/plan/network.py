@@ -48,15 +48,24 @@ class Link:
     link); ``message_latency`` one-way seconds of a point-to-point message between two ranks
     whose receive is posted (``None``: ``latency``). On gloo the two differ: on this machine's
     idle simulated hosts a 64-byte allreduce's round costs 0.4-1.2 ms, a ping-pong's message
-    0.08 ms (0.48 ms with the test suite running beside it)."""
+    0.08 ms (0.48 ms with the test suite running beside it). ``busy_receive``: the seconds a
+    large request takes longer to arrive while the receiving host's ranks compute (the
+    probe's :func:`~lightning_parallel.plan.link_probe.busy_receive_extra`; 0: a host with a
+    core to spare)."""
 
     bandwidth: float
     latency: float
     burst_bytes: float = 0.0
     message_latency: float | None = None
+    busy_receive: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.bandwidth <= 0 or self.latency < 0 or (self.message_latency or 0.0) < 0:
+        if (
+            self.bandwidth <= 0
+            or self.latency < 0
+            or (self.message_latency or 0.0) < 0
+            or self.busy_receive < 0
+        ):
             raise ValueError(f"a link needs bandwidth > 0 and latencies >= 0, got {self}")
 
     @property
@@ -126,9 +135,11 @@ class Cluster:
         hosts_per_link: int = 1,
         burst_bytes: float = 0.0,
         message_latency: str | None = None,
+        busy_receive: str | None = None,
     ) -> Cluster:
         """A cluster from ``tc``-style text: ``Cluster.parse(4, 1, "100mbit", "1ms")``;
-        ``message_latency``: a point-to-point message's between hosts (default: ``latency``).
+        ``message_latency``: a point-to-point message's between hosts (default: ``latency``);
+        ``busy_receive``: what a large request takes longer into a computing host (default 0).
 
         Raises:
             ValueError: a rate or delay not understood (the message gives the units).
@@ -142,6 +153,7 @@ class Cluster:
             parse_latency(latency),
             burst_bytes,
             None if message_latency is None else parse_latency(message_latency),
+            0.0 if busy_receive is None else parse_latency(busy_receive),
         )
         return cls(hosts, processes_per_host, inter, intra, hosts_per_link)
 

@@ -30,6 +30,14 @@ replies, where the rates alone gave 1.2 of each). The same simulation gives the 
 per second: each worker's trained batches over its own clock, the waits at the epochs' drains
 for a slow remote exchange included.
 
+The gradient arrives on the server's host while its worker computes. Where that host has no
+core to spare, the threads that read it wait for the computation's time slice: the link
+probe's ``busy_receive`` (:func:`~lightning_parallel.plan.link_probe.busy_receive_extra`) is
+added to every push. Traced on ``gpt`` at 1 Gbit/s (2 hosts of one core), the gradient's
+receipt took 2.7 to 10.5 ms, median 5.1, where the same bytes between idle hosts take 2.75;
+the probe measured 2.5 to 3.7 ms of extra on these hosts, and 0.1 ms where the sender slept
+instead of computing before it sent.
+
 On the bench's shaped hosts each direction of a remote worker's link idles between its
 exchanges, so each vector passes the token bucket's burst at once: ``gpt`` at 10 Mbit/s
 exchanged in 0.845 s where the two vectors' bytes take 0.919 s at the link's rate, and without
@@ -84,6 +92,9 @@ def predict_parameter_server(
     # remote workers compute and push (gpt at 10 Mbit/s: 0.845 s an exchange where the
     # vectors' bytes take 0.919 s at the link's rate)
     push_s = _after_burst(cluster, push.seconds, pull.seconds + local)
+    # the gradient arrives on the server's host while its worker computes: the receiving
+    # threads wait for a time slice where the host has no core to spare (the probe's figure)
+    push_s += cluster.inter.busy_receive if cluster.hosts > 1 else 0.0
     pull_s = _after_burst(cluster, pull.seconds, local + push.seconds - (remote - 1) * pull.seconds)
     # a remote worker: its step, the two transfers, the shard's work on its gradient; the
     # server's uplink carries every remote worker's pull: at most one pull at a time

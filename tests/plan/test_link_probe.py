@@ -8,10 +8,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers.distributed import run_distributed
 
 import lightning_parallel.bench.plan as plan_module
 from lightning_parallel.bench import predicted
 from lightning_parallel.bench.links import (
+    busy_receive_text,
     join_and_measure,
     link_texts,
     message_latency_text,
@@ -90,7 +92,10 @@ def test_bench_predict_takes_the_measured_latency_and_keeps_a_shaped_rate(monkey
         return [{"spec": "ddp"}]
 
     monkeypatch.setattr(plan_module, "predictions_for", record)
-    links = {"inter": {"bandwidth": 1.2e8, "latency": 1.2e-3}, "intra": None}
+    links = {
+        "inter": {"bandwidth": 1.2e8, "latency": 1.2e-3, "busy_receive": 3e-3},
+        "intra": None,
+    }
     shaped = BenchConfig(hosts=2, bandwidth="100mbit", model="mlp", max_steps=10)
     predicted.predict_runs({"notes": {}}, ["ddp"], shaped, False, links)
     predicted.predict_runs({"notes": {}}, ["ddp"], shaped, False)
@@ -99,6 +104,7 @@ def test_bench_predict_takes_the_measured_latency_and_keeps_a_shaped_rate(monkey
     measured, unmeasured, loopback = seen
     # tc's rate is exact: it stays; the latency is the probe's
     assert (measured["bandwidth"], measured["latency"]) == ("100mbit", "1200us")
+    assert measured["busy_receive"] == "3000us" and unmeasured["busy_receive"] is None
     assert unmeasured["latency"] == "0"  # tc set no delay, and nothing was measured
     assert (loopback["bandwidth"], loopback["latency"]) == ("120mbit", "1200us")
 
@@ -118,6 +124,40 @@ def test_the_probe_finds_the_shaped_rate_and_a_latency_on_simulated_hosts():
     # a ping-pong between the two hosts' ranks (idle: 0.08 ms against the collective's 1.1 ms;
     # under the test suite's load 0.48 ms against 0.42 ms)
     assert 0 < inter["message_latency"] < 0.02
+    # a request into a host that computes (2.5-3.7 ms on these hosts at 1 Gbit/s idle)
+    assert 0 <= inter["busy_receive"] < 0.05
+
+
+def _busy_extra(rank: int, world: int, holds_lock: bool) -> float:
+    import time
+
+    import torch
+
+    import lightning_parallel.plan.link_probe as probe
+
+    if holds_lock:
+        # the computation never lets the interpreter's lock go by itself: the receiver's
+        # threads get it back only at the switch interval, after each message
+        sys.setswitchinterval(0.02)
+
+        def hold(stop, seconds):
+            end = float("inf") if seconds is None else time.perf_counter() + seconds
+            while not stop.is_set() and time.perf_counter() < end:
+                pass
+
+        probe._compute = hold
+    return probe.busy_receive_extra(1, 2**16, 3, torch.device("cpu"), receiver_host=(0,))
+
+
+def test_the_busy_receive_probe_times_what_a_computing_receiver_adds():
+    # the same probe twice: a computation that holds the interpreter's lock delays each of the
+    # receiver's two receives by up to the 20 ms switch interval; one that releases it in
+    # every product (the probe's own) adds a few ms at most on loopback
+    held = run_distributed(_busy_extra, 2, True, timeout=60)
+    released = run_distributed(_busy_extra, 2, False, timeout=60)
+    assert held[0] == held[1] and released[0] == released[1]  # every rank has the figure
+    assert held[0] > 0.01
+    assert 0 <= released[0] < held[0]
 
 
 @pytest.mark.slow
@@ -146,5 +186,6 @@ def test_plan_measure_plans_for_the_hosts_and_links_of_its_launch(tmp_path: Path
     assert measured["inter"]["ranks"] == 4 and measured["intra"]["ranks"] == 2
     assert link_texts(measured, "inter") == (cluster["bandwidth"], cluster["latency"])
     assert message_latency_text(measured) == cluster["message_latency"] is not None
+    assert busy_receive_text(measured) == cluster["busy_receive"] is not None
     assert link_texts(measured, "intra") == (cluster["intra_bandwidth"], cluster["intra_latency"])
     assert record["model"] == "four_layers" and record["predictions"][0]["spec"] == "ddp"

@@ -9,7 +9,14 @@ import pytest
 
 from lightning_parallel.pipeline.profile import LayerCost
 from lightning_parallel.plan.averaging import round_counts
-from lightning_parallel.plan.network import Cluster, all_gather, all_reduce, send, step_flag
+from lightning_parallel.plan.network import (
+    Cluster,
+    Link,
+    all_gather,
+    all_reduce,
+    send,
+    step_flag,
+)
 from lightning_parallel.plan.planner import DEFAULT_SPECS, PREDICTORS, predict, ranked, scaling
 from lightning_parallel.plan.prediction import RunLength, median_of_steps
 from lightning_parallel.plan.profile import LayerProfile, ParameterShape, StepProfile
@@ -155,6 +162,21 @@ def test_the_parameter_server_s_vectors_pass_a_burst_through_a_refilled_token_bu
     shaped = _one("parameter_server", profile, bucket)
     saved = plain.detail["remote_worker_step_s"] - shaped.detail["remote_worker_step_s"]
     assert saved == pytest.approx(2 * 70_000 * 8 / 10e6, rel=0.01)
+
+
+def test_a_remote_gradient_into_a_computing_host_takes_the_probe_s_extra() -> None:
+    """The gradient arrives while the server's worker computes: the probe's ``busy_receive``
+    lengthens each remote step once (the reply goes to a worker that waits for it)."""
+    profile = _profile()
+    plain = _one("parameter_server", profile, _cluster())
+    busy = Cluster.parse(2, 1, "100mbit", "1ms", busy_receive="3ms")
+    slowed = _one("parameter_server", profile, busy)
+    added = slowed.detail["remote_worker_step_s"] - plain.detail["remote_worker_step_s"]
+    assert added == pytest.approx(0.003)
+    # fewer remote gradients for each of the server's worker's steps
+    assert slowed.detail["remote_pushes_per_step"] < plain.detail["remote_pushes_per_step"]
+    with pytest.raises(ValueError, match="latencies >= 0"):
+        Link(1e9, 0.0, busy_receive=-1.0)
 
 
 def test_gropipe_takes_fill_drain_and_refuses_an_odd_world() -> None:
