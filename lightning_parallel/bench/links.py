@@ -97,7 +97,7 @@ def link_texts(measured: dict[str, Any], which: str) -> tuple[str, str] | None:
         return None
     bits, seconds = float(fit["bandwidth"]), float(fit["latency"])
     unit, scale = next((u, s) for u, s in _UNITS if bits >= s)
-    return f"{bits / max(scale, 1.0):.4g}{unit}", f"{seconds * 1e6:.4g}us"
+    return f"{bits / max(scale, 1.0):.4g}{unit}", _microseconds(seconds)
 
 
 def message_latency_text(measured: dict[str, Any]) -> str | None:
@@ -114,7 +114,13 @@ def busy_receive_text(measured: dict[str, Any]) -> str | None:
 
 
 def _seconds_text(seconds: float | None) -> str | None:
-    return None if seconds is None else f"{float(seconds) * 1e6:.4g}us"
+    return None if seconds is None else _microseconds(float(seconds))
+
+
+def _microseconds(seconds: float) -> str:
+    """``seconds`` as ``Cluster.parse`` reads a delay, in whole tenths of a microsecond and
+    never in exponent form (``"16920us"``, ``"80.5us"``, ``"0us"``)."""
+    return f"{seconds * 1e6:.1f}".rstrip("0").rstrip(".") + "us"
 
 
 _UNITS = (("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3), ("bit", 0.0))

@@ -45,14 +45,22 @@ PROFILE_MAX_STEPS = 400
 def _step_probe(callback_base: type, steps: int, seconds: float) -> Any:
     """A callback of ``callback_base``'s namespace that times steps as the bench's probe does
     (from the previous step's end to this one's), stops the fit once ``steps`` steps are done
-    and the timed ones add up to ``seconds``, and reads the peak memory at train end."""
+    and the timed ones add up to ``seconds``, and reads the peak memory at train end. After the
+    first backward it tries Hylo's candidates on the gradients
+    (:func:`~lightning_parallel.compression.trials.first_trial_errors`), as a run's first
+    calibration step does."""
     import resource
     import time
+
+    from lightning_parallel.compression.policy import HyloPolicy
+    from lightning_parallel.compression.trials import first_trial_errors
+    from lightning_parallel.plan.data_parallel import HYLO_RANK
 
     class StepProbe(callback_base):  # type: ignore[misc, valid-type]
         def __init__(self) -> None:
             self.step_seconds: list[float] = []
             self.peak_rss_bytes = 0.0
+            self.codec_errors: dict[str, dict[str, float]] | None = None
             self._previous: float | None = None
             self._start = 0.0
 
@@ -66,6 +74,15 @@ def _step_probe(callback_base: type, steps: int, seconds: float) -> Any:
             timed = sum(self.step_seconds[PROFILE_WARMUP_STEPS:])
             if len(self.step_seconds) >= steps and timed >= seconds:
                 trainer.should_stop = True
+
+        def on_after_backward(self, trainer: Any, module: Any) -> None:
+            if self.codec_errors is None:
+                gradients = {
+                    name: parameter.grad
+                    for name, parameter in module.named_parameters()
+                    if parameter.grad is not None
+                }
+                self.codec_errors = first_trial_errors(gradients, HyloPolicy(rank=HYLO_RANK))
 
         def on_train_end(self, *args: Any) -> None:
             self.peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0
@@ -166,6 +183,7 @@ def profile_module(
         profile,
         codec_seconds=codecs,
         hook_seconds=hooks,
+        codec_errors=probe.codec_errors or {},
         trainer_step_s=trainer_step,
         base_rss_bytes=base,
         peak_rss_bytes=probe.peak_rss_bytes or None,

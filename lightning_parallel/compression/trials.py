@@ -10,16 +10,19 @@ relative error ``|p - C(p)| / |p|`` of one step. The
 
 from __future__ import annotations
 
+import copy
 import time
+from collections.abc import Mapping
 
 import torch
+from torch import Tensor
 
 from lightning_parallel.comm.accounting import ring_allreduce_bytes
 from lightning_parallel.compression.cost_model import CostModel
 from lightning_parallel.compression.error_feedback import ErrorFeedback
 from lightning_parallel.compression.exchange_step import LayerGradient, device_sync
 from lightning_parallel.compression.low_rank import LowRank
-from lightning_parallel.compression.policy import LayerPlan
+from lightning_parallel.compression.policy import LOW_RANK, HyloPolicy, LayerPlan
 
 __all__: list[str] = []
 
@@ -54,3 +57,38 @@ def try_candidates(
         error = float(residual.norm()) / norm if norm > 0 else 0.0
         sent = ring_allreduce_bytes(codec.wire_nbytes(candidate.shape), world)
         cost_model.observe_codec(name, seconds, dense, sent, candidate.route, error)
+
+
+def first_trial_errors(
+    gradients: Mapping[str, Tensor], policy: HyloPolicy
+) -> dict[str, dict[str, float]]:
+    """Each candidate's relative error ``|g - C(g)| / |g|`` on each gradient whose layer has
+    several candidates under ``policy``, by parameter name and :func:`error_key`: what the
+    cost model compares with its error budget, as the first calibration step finds it (no
+    residual yet; each codec a fresh copy, so a low-rank trial starts from its fixed random
+    factor). The plan takes it to predict which candidate a layer keeps."""
+    errors: dict[str, dict[str, float]] = {}
+    for name, gradient in gradients.items():
+        candidates = policy.candidates(name, gradient.shape)
+        norm = float(gradient.norm())
+        if len(candidates) < 2 or norm == 0.0:
+            continue
+        errors[name] = {}
+        for candidate in candidates:
+            codec = copy.deepcopy(candidate.codec)
+            residual = gradient.detach().clone()
+            shaped = residual.view(candidate.shape)
+            if isinstance(codec, LowRank):
+                codec.encode_(shaped, key=name)
+            else:
+                codec.encode_(shaped)
+            errors[name][error_key(candidate)] = float(residual.norm()) / norm
+    return errors
+
+
+def error_key(candidate: LayerPlan) -> str:
+    """A candidate's key among a layer's trial errors: its route, with the rank for low-rank
+    factors (``"low_rank@8"``), whose error depends on it."""
+    if candidate.route == LOW_RANK and isinstance(candidate.codec, LowRank):
+        return f"{LOW_RANK}@{candidate.codec.rank}"
+    return candidate.route

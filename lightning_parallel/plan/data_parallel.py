@@ -31,10 +31,15 @@ allreduce, the ``Q`` into a second, the bucket's dense layers into one; its cost
 layer dense where the dense bytes cost less link time than its factors and their codec work,
 and so does the prediction. Where a layer has a second candidate (a fully-connected layer's
 2-bit codes), the hook keeps the factors only while their error ``|p − C(p)| / |p|``, measured
-on the run's first gradients, is within its budget (0.9); the prediction assumes they are.
-On transformers' GPT-2 three layers measured 0.901 to 0.937 and went as codes (bytes −19.4%
-against the prediction); the other six projections measured 0.869 to 0.897, a coin flip on
-the gradient.
+on the run's first gradients, is within its budget (0.9). The profile tries every candidate on
+its own first gradients the same way
+(:func:`~lightning_parallel.compression.trials.first_trial_errors`), and where it puts the
+factors over the budget and another candidate within it, the prediction sends that one (the
+fewest bytes within the budget). On transformers' GPT-2 (4 layers of 256) the token
+embedding's factors (0.94 in the profile) went as codes, and so did two of the eight MLP
+projections (0.87 to 0.92 in the profile: a coin flip on the gradient, which the profile's
+trial called for three others); bytes −18.9% against the prediction that took the factors
+everywhere, +2.9% with the profile's trial.
 
 Hylo's first ``warmup_steps`` steps (0 by default) allreduce the gradients uncompressed, and
 the ``CALIBRATION_STEPS`` after them (:mod:`~lightning_parallel.compression.calibration`) send
@@ -75,7 +80,8 @@ from typing import Any
 from lightning_parallel.compression.calibration import CALIBRATION_STEPS
 from lightning_parallel.compression.kernel_topk import KernelTopK
 from lightning_parallel.compression.low_rank import matrix_shape
-from lightning_parallel.compression.policy import KERNEL, LOW_RANK, HyloPolicy
+from lightning_parallel.compression.policy import ERROR_BUDGET, KERNEL, LOW_RANK, HyloPolicy
+from lightning_parallel.compression.trials import error_key
 from lightning_parallel.plan.memory import EXTRA_PARAMETER_COPIES, peak_rss_mb
 from lightning_parallel.plan.network import (
     Cluster,
@@ -318,13 +324,41 @@ def parameter_buckets(parameters: Sequence[ParameterShape]) -> list[list[Paramet
 RouteOf = Callable[[ParameterShape], "tuple[str, float] | None"]
 
 
-def _chosen(names: set[str], rank: int) -> RouteOf:
-    """The parameters ``names`` as rank-``rank`` factors, the others dense."""
+def _chosen(
+    names: set[str], rank: int, coded: dict[str, tuple[str, float]] | None = None
+) -> RouteOf:
+    """The parameters ``names`` as rank-``rank`` factors, those in ``coded`` by their route and
+    bytes there, the others dense."""
+    routes = coded or {}
 
     def route(parameter: ParameterShape) -> tuple[str, float] | None:
+        if parameter.name in routes:
+            return routes[parameter.name]
         return (LOW_RANK, _factor_bytes([parameter], rank)) if parameter.name in names else None
 
     return route
+
+
+def _within_budget_instead(
+    profile: StepProfile, policy: HyloPolicy, parameter: ParameterShape
+) -> tuple[str, float] | None:
+    """The route and bytes a layer takes where the profile's first trial put its low-rank
+    factors over ``policy``'s error budget and another candidate within it (the fewest bytes
+    among those; the least error where none is within); ``None`` where the factors are within
+    the budget, or where the profile has no trial of them at this rank."""
+    errors = profile.codec_errors.get(parameter.name, {})
+    candidates = policy.candidates(parameter.name, parameter.shape)
+    low_rank = next((c for c in candidates if c.route == LOW_RANK), None)
+    if low_rank is None or errors.get(error_key(low_rank), 0.0) <= policy.error_budget:
+        return None
+    tried = [c for c in candidates if error_key(c) in errors]
+    within = [c for c in tried if errors[error_key(c)] <= policy.error_budget]
+    if not within:
+        within = [min(tried, key=lambda c: errors[error_key(c)])]
+    best = min(within, key=lambda c: c.codec.wire_nbytes(parameter.shape))
+    if best.route == LOW_RANK:
+        return None
+    return best.route, float(best.codec.wire_nbytes(parameter.shape))
 
 
 def _first_candidates(policy: HyloPolicy) -> RouteOf:
@@ -410,10 +444,20 @@ def predict_hylo(
     rank = int(options.get("rank") or HYLO_RANK)
     least = int(options.get("low_rank_min_numel", HYLO_LOW_RANK_MIN_NUMEL))
     seconds_per_byte = 8.0 / cluster.inter.bandwidth
+    policy = HyloPolicy(
+        rank=rank,
+        low_rank_min_numel=least,
+        error_budget=float(options.get("error_budget", ERROR_BUDGET)),
+    )
     low_rank: list[ParameterShape] = []
+    coded: dict[str, tuple[str, float]] = {}
     work = 0.0
     for parameter in profile.parameters:
         if len(parameter.shape) < 2 or parameter.numel < least:
+            continue
+        instead = _within_budget_instead(profile, policy, parameter)
+        if instead is not None:
+            coded[parameter.name] = instead
             continue
         factors = _factor_bytes([parameter], rank)
         codec = profile.low_rank_s(parameter.shape, rank, BLOCKED)
@@ -423,9 +467,8 @@ def predict_hylo(
             low_rank.append(parameter)
             work += codec
     chosen = {p.name for p in low_rank}
-    policy = HyloPolicy(rank=rank, low_rank_min_numel=least)
     traffic = Traffic()
-    rounds = _hylo_rounds(profile, cluster, _chosen(chosen, rank))
+    rounds = _hylo_rounds(profile, cluster, _chosen(chosen, rank, coded))
     for transfer in rounds:
         traffic.add(transfer, waited=False)
     end = profile.backward_s + work + sum(t.seconds for t in rounds)
@@ -443,7 +486,10 @@ def predict_hylo(
         ],
     )
     extra = EXTRA_PARAMETER_COPIES["hylo"] * profile.parameter_bytes
-    detail = {"low_rank_layers": len(low_rank), "rank": rank, "codec_s": work}
+    detail = {
+        "low_rank_layers": len(low_rank), "rank": rank, "codec_s": work,
+        "over_budget_layers": sorted(coded),
+    }  # fmt: skip
     return _finish(
         spec, profile, cluster, traffic, end, "hylo", extra, work, detail,
         buffers=_broadcasts_buffers(options),

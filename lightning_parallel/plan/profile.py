@@ -86,6 +86,9 @@ class StepProfile:
     flops: float = 0.0
     codec_seconds: dict[str, float] = field(default_factory=dict)
     hook_seconds: dict[str, float] = field(default_factory=dict)
+    #: Hylo's candidates' errors on the first step's gradients, by parameter and candidate
+    #: (:func:`~lightning_parallel.compression.trials.first_trial_errors`)
+    codec_errors: dict[str, dict[str, float]] = field(default_factory=dict)
     compute_scale: float = 1.0
     layer_profiles: tuple[LayerProfile, ...] = ()
     pipeline_error: str | None = None

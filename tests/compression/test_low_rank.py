@@ -144,3 +144,30 @@ def test_the_route_plot_reads_the_route_gauges(tmp_path: Path) -> None:
     (tmp_path / "out.json").write_text(json.dumps(result))
     script.main([str(tmp_path / "out.json"), str(tmp_path / "routes.png")])
     assert (tmp_path / "routes.png").stat().st_size > 0
+
+
+def test_the_first_trial_s_errors_are_what_each_candidate_misses_of_the_gradient() -> None:
+    """What the cost model compares with its error budget, as the plan takes it from the
+    profile: a rank-1 gradient loses nothing to rank-8 factors, a random 256 x 256 one most of
+    itself; 2-bit codes lose about half of either; a layer with one candidate is not tried."""
+    from lightning_parallel.compression.policy import HyloPolicy
+    from lightning_parallel.compression.trials import first_trial_errors
+
+    generator = torch.Generator().manual_seed(0)
+    column, row = torch.randn(256, 1, generator=generator), torch.randn(1, 256, generator=generator)
+    gradients = {
+        "flat": column @ row,
+        "noise": torch.randn(256, 256, generator=generator),
+        "bias": torch.randn(256, generator=generator),
+    }
+    kept = {name: gradient.clone() for name, gradient in gradients.items()}
+    policy = HyloPolicy(rank=8)
+    errors = first_trial_errors(gradients, policy)
+    assert set(errors) == {"flat", "noise"}
+    assert errors["flat"]["low_rank@8"] < 1e-4
+    assert errors["noise"]["low_rank@8"] > 0.85
+    assert 0.3 < errors["flat"]["two_bit"] < 0.7 and 0.3 < errors["noise"]["two_bit"] < 0.7
+    # the gradients and the policy's own codecs are left as they were (no warm start kept)
+    assert all(torch.equal(gradients[name], kept[name]) for name in gradients)
+    assert policy.low_rank_codec is not None
+    assert not policy.low_rank_codec.state_dict()["factors"]

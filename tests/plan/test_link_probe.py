@@ -65,6 +65,14 @@ def test_measured_links_become_the_texts_a_cluster_parses():
     assert cluster.inter.bandwidth == pytest.approx(5.154e9, rel=1e-3)
     assert cluster.inter.latency == pytest.approx(1.3133e-3, rel=1e-3)
     assert link_texts(measured, "intra") is None
+    # delays of 10 ms and more (a wide-area link; a request into a loaded host) parse too:
+    # never in exponent form
+    slow = {"inter": {"bandwidth": 1e8, "latency": 0.0169196, "busy_receive": 0.02724}}
+    cluster = Cluster.parse(
+        2, 1, *(link_texts(slow, "inter") or ("", "")), busy_receive=busy_receive_text(slow)
+    )
+    assert cluster.inter.latency == pytest.approx(0.0169196, abs=1e-7)
+    assert cluster.inter.busy_receive == pytest.approx(0.02724, abs=1e-7)
 
 
 def test_the_plan_s_header_names_only_the_links_its_processes_use():

@@ -140,3 +140,21 @@ def test_the_profile_s_fit_runs_until_its_timed_steps_add_up() -> None:
         probe.on_train_batch_start(trainer)
         probe.on_train_batch_end(trainer)
     assert trainer.should_stop
+
+
+def test_the_profile_s_fit_tries_hylo_s_candidates_on_its_first_gradients() -> None:
+    """After the first backward, as a run's first calibration step: a 256 x 256 layer has two
+    candidates (rank-8 factors and 2-bit codes), its bias none; later backwards change nothing."""
+    import pytorch_lightning as pl
+
+    from lightning_parallel.bench.plan_profile import _step_probe
+
+    probe = _step_probe(pl.Callback, steps=1, seconds=0.0)
+    layer = nn.Linear(256, 256)
+    layer(torch.randn(4, 256)).square().sum().backward()
+    probe.on_after_backward(None, layer)
+    first = probe.codec_errors
+    assert set(first) == {"weight"} and set(first["weight"]) == {"low_rank@8", "two_bit"}
+    layer.weight.grad = torch.zeros_like(layer.weight)
+    probe.on_after_backward(None, layer)
+    assert probe.codec_errors is first
