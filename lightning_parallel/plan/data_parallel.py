@@ -35,11 +35,11 @@ on the run's first gradients, is within its budget (0.9). The profile tries ever
 its own first gradients the same way
 (:func:`~lightning_parallel.compression.trials.first_trial_errors`), and where it puts the
 factors over the budget and another candidate within it, the prediction sends that one (the
-fewest bytes within the budget). On transformers' GPT-2 (4 layers of 256) the token
-embedding's factors (0.94 in the profile) went as codes, and so did two of the eight MLP
-projections (0.87 to 0.92 in the profile: a coin flip on the gradient, which the profile's
-trial called for three others); bytes −18.9% against the prediction that took the factors
-everywhere, +2.9% with the profile's trial.
+fewest bytes within the budget). On transformers' GPT-2 (4 layers of 256) the run sent the
+token embedding and two of the eight MLP projections as codes; the profile put the embedding
+at 0.938 and one of those projections at 0.911, the other at 0.867 (the MLP projections are
+0.86 to 0.91 there: a coin flip on the gradient). Bytes −18.9% against the prediction that
+took the factors everywhere, −2.6% with the profile's trial.
 
 Hylo's first ``warmup_steps`` steps (0 by default) allreduce the gradients uncompressed, and
 the ``CALIBRATION_STEPS`` after them (:mod:`~lightning_parallel.compression.calibration`) send
@@ -339,6 +339,10 @@ def _chosen(
     return route
 
 
+#: Hylo's options that decide which candidates a layer has, beside its rank
+_POLICY_OPTIONS = ("fc_bits", "min_compress_numel", "conv_low_rank", "codec")
+
+
 def _within_budget_instead(
     profile: StepProfile, policy: HyloPolicy, parameter: ParameterShape
 ) -> tuple[str, float] | None:
@@ -444,10 +448,12 @@ def predict_hylo(
     rank = int(options.get("rank") or HYLO_RANK)
     least = int(options.get("low_rank_min_numel", HYLO_LOW_RANK_MIN_NUMEL))
     seconds_per_byte = 8.0 / cluster.inter.bandwidth
+    # the candidates the run's policy offers (a run without 2-bit codes keeps its factors)
     policy = HyloPolicy(
         rank=rank,
         low_rank_min_numel=least,
         error_budget=float(options.get("error_budget", ERROR_BUDGET)),
+        **{key: options[key] for key in _POLICY_OPTIONS if key in options},
     )
     low_rank: list[ParameterShape] = []
     coded: dict[str, tuple[str, float]] = {}

@@ -35,9 +35,9 @@ take for the messages between their stages.
 Last, host 1's first rank sends host 0's first rank requests as a parameter server's worker
 does, first while host 0's ranks idle, then while each computes (:func:`busy_receive_extra`).
 Where a host has no core to spare, the threads that read a request wait for the
-computation's time slice: on this machine's simulated hosts (one core each, not pinned) a
-request of 0.5 to 4 MiB at 1 Gbit/s and 100 Mbit/s took 2.5 to 3.7 ms longer, where the
-sender computed before it sent; 0.1 ms where it slept instead, or sent with a blocking send.
+computation's time slice: on this machine's simulated hosts (one core each, not pinned) the
+probe measured 2.0 to 3.9 ms at 1 Gbit/s and 100 Mbit/s (0 at 10 Mbit/s), and 0.0 to 0.3 ms
+where the sender slept instead of computing before it sent, or sent with a blocking send.
 The parameter server's law adds it to every gradient pushed to the server's host.
 
 Run as a program on every rank (``python -m lightning_parallel.plan.link_probe OUT.json``,
@@ -101,8 +101,9 @@ class LinkFit:
         ranks: ranks in the ring that was timed.
         message_latency: one-way seconds of a small message between two ranks whose receive
             is posted (half a ping-pong's round trip); ``None``: not measured.
-        busy_receive: mean seconds a ``large_bytes`` message from host 1 takes longer while
-            host 0's ranks compute (:func:`busy_receive_extra`); ``None``: not measured.
+        busy_receive: mean seconds a request from host 1 and its small reply take longer
+            while host 0's ranks compute (:func:`busy_receive_extra`); ``None``: not measured
+            (on an accelerator).
     """
 
     bandwidth: float
@@ -264,6 +265,7 @@ def busy_receive_extra(
                 dist.recv(header, sender)
                 dist.recv(payload, sender)
                 _wait_all(dist.isend(header, sender), dist.isend(reply, sender))
+        dist.barrier()  # every rank of the receiver's host computes until the last round ends
         stop.set()
         if computing is not None:
             computing.join()
@@ -290,10 +292,14 @@ def _compute(stop: threading.Event, seconds: float | None) -> None:
 
 def _busy_receive(
     inter: LinkFit, processes_per_host: int, repeats: int, device: torch.device
-) -> float:
+) -> float | None:
     """:func:`busy_receive_extra` from host 1's first rank to host 0's, with a request of the
     large allreduce's size (:data:`BUSY_MIN_BYTES` at least), as many rounds as fit
-    :data:`BUSY_PHASE_SECONDS` (4 to ``repeats // 5``, at least 4)."""
+    :data:`BUSY_PHASE_SECONDS` (4 to ``repeats // 5``, at least 4); ``None`` on an
+    accelerator, where the transfers do not wait for the host's cores and NCCL has no tags to
+    keep the request's receives apart."""
+    if device.type != "cpu":
+        return None
     nbytes = max(inter.large_bytes, BUSY_MIN_BYTES)
     round_s = BUSY_GAP_S + inter.large_s * nbytes / inter.large_bytes
     rounds = max(4, min(max(4, repeats // 5), int(BUSY_PHASE_SECONDS / round_s)))

@@ -35,8 +35,7 @@ core to spare, the threads that read it wait for the computation's time slice: t
 probe's ``busy_receive`` (:func:`~lightning_parallel.plan.link_probe.busy_receive_extra`) is
 added to every push. Traced on ``gpt`` at 1 Gbit/s (2 hosts of one core), the gradient's
 receipt took 2.7 to 10.5 ms, median 5.1, where the same bytes between idle hosts take 2.75;
-the probe measured 2.5 to 3.7 ms of extra on these hosts, and 0.1 ms where the sender slept
-instead of computing before it sent.
+the probe measured 2.0 to 3.9 ms of extra on these hosts at 1 Gbit/s and 100 Mbit/s.
 
 On the bench's shaped hosts each direction of a remote worker's link idles between its
 exchanges, so each vector passes the token bucket's burst at once: ``gpt`` at 10 Mbit/s

@@ -581,3 +581,5 @@ def test_hylo_sends_codes_where_the_profile_s_trial_put_the_factors_over_the_bud
     assert _one("hylo", within, _cluster()).detail["over_budget_layers"] == []
     assert _one("hylo", over, _cluster(), error_budget=0.97).detail["over_budget_layers"] == []
     assert _one("hylo", over, _cluster(), rank=4).detail["over_budget_layers"] == []
+    # a run without 2-bit codes keeps its factors, whatever their error
+    assert _one("hylo", over, _cluster(), fc_bits=32).detail["over_budget_layers"] == []

@@ -65,10 +65,14 @@ def test_a_profile_survives_json_and_scales_its_layers() -> None:
     profile = StepProfile(
         batch_size=8, forward_s=0.1, backward_s=0.2, optimizer_s=0.05,
         parameters=(), optimizer_state_bytes=0, activation_bytes=0, trainer_step_s=0.5,
-        layer_profiles=layers,
+        layer_profiles=layers, codec_errors={"w": {"low_rank@8": 0.95, "two_bit": 0.46}},
     )  # fmt: skip
     again = StepProfile.from_dict(json.loads(json.dumps(profile.as_dict())))
     assert again == profile
+    # a profile written before the trial's errors were kept loads without them
+    older = profile.as_dict()
+    del older["codec_errors"]
+    assert StepProfile.from_dict(older).codec_errors == {}
     assert again.overhead_s == pytest.approx(0.15)
     assert again.layers_at(4) == layers[1]
     doubled = again.layers_at(16)
