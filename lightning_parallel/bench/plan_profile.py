@@ -54,7 +54,7 @@ def _step_probe(callback_base: type, steps: int, seconds: float) -> Any:
 
     from lightning_parallel.compression.policy import HyloPolicy
     from lightning_parallel.compression.trials import first_trial_errors
-    from lightning_parallel.plan.data_parallel import HYLO_RANK
+    from lightning_parallel.plan.hylo import HYLO_RANK
 
     class StepProbe(callback_base):  # type: ignore[misc, valid-type]
         def __init__(self) -> None:

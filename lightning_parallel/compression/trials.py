@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -48,9 +49,7 @@ def try_candidates(
         sync()
         started = time.perf_counter()
         # the low-rank trial starts from the layer's warm start, as its exchange does
-        encoded = (
-            codec.encode_(shaped, key=name) if isinstance(codec, LowRank) else codec.encode_(shaped)
-        )
+        encoded = _encode_(codec, shaped, name)
         codec.decode_add_(encoded, decoded)
         sync()
         seconds = time.perf_counter() - started
@@ -78,12 +77,15 @@ def first_trial_errors(
             codec = copy.deepcopy(candidate.codec)
             residual = gradient.detach().clone()
             shaped = residual.view(candidate.shape)
-            if isinstance(codec, LowRank):
-                codec.encode_(shaped, key=name)
-            else:
-                codec.encode_(shaped)
+            _encode_(codec, shaped, name)
             errors[name][error_key(candidate)] = float(residual.norm()) / norm
     return errors
+
+
+def _encode_(codec: Any, shaped: Tensor, name: str) -> Any:
+    """``codec``'s encoding of ``shaped`` in place (the residual left there); a low-rank codec
+    starts from the layer ``name``'s warm start, as its exchange does."""
+    return codec.encode_(shaped, key=name) if isinstance(codec, LowRank) else codec.encode_(shaped)
 
 
 def error_key(candidate: LayerPlan) -> str:

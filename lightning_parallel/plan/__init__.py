@@ -4,7 +4,8 @@ Plain torch, no Lightning: a :class:`~lightning_parallel.plan.profile.StepProfil
 one process (:mod:`~lightning_parallel.plan.measure`), a
 :class:`~lightning_parallel.plan.network.Cluster` and the collective laws
 (:mod:`~lightning_parallel.plan.network`), and one predictor per strategy family
-(:mod:`~lightning_parallel.plan.data_parallel`, :mod:`~lightning_parallel.plan.averaging`,
+(:mod:`~lightning_parallel.plan.data_parallel`, :mod:`~lightning_parallel.plan.hylo`,
+:mod:`~lightning_parallel.plan.averaging`,
 :mod:`~lightning_parallel.plan.parameter_server`, :mod:`~lightning_parallel.plan.pipelines`),
 dispatched by :mod:`~lightning_parallel.plan.planner`. ``lightning-parallel plan``
 (:mod:`lightning_parallel.bench.plan`) takes the profile of a ``LightningModule``.

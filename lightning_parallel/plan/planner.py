@@ -17,7 +17,8 @@ from dataclasses import replace
 from typing import Any
 
 from lightning_parallel.plan.averaging import predict_averaging
-from lightning_parallel.plan.data_parallel import predict_ddp, predict_hylo, predict_powersgd
+from lightning_parallel.plan.data_parallel import predict_ddp, predict_powersgd
+from lightning_parallel.plan.hylo import predict_hylo
 from lightning_parallel.plan.network import Cluster
 from lightning_parallel.plan.parameter_server import predict_parameter_server
 from lightning_parallel.plan.pipelines import predict_gropipe

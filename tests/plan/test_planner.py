@@ -538,7 +538,7 @@ def test_hylo_counts_its_calibration_steps_in_proportion_and_each_bucket_s_round
 
 def test_hylo_exchanges_each_ddp_bucket_in_rounds_of_its_own() -> None:
     from lightning_parallel.compression.policy import HyloPolicy
-    from lightning_parallel.plan.data_parallel import _chosen, _first_candidates, _hylo_rounds
+    from lightning_parallel.plan.hylo import _chosen, _first_candidates, _hylo_rounds
 
     convs = [ParameterShape(name, (256, 256, 3, 3)) for name in ("a", "b")]
     profile = StepProfile(
