@@ -24,6 +24,7 @@ from lightning_parallel.comm.ledger import CommLedger, process_ledger
 from lightning_parallel.compat import public as _public
 from lightning_parallel.compat import registration as _registration
 from lightning_parallel.compat.registration import register_strategy, registered_names
+from lightning_parallel.cpu_memory import hold_freed_memory
 from lightning_parallel.files import PartialCheckpointError
 from lightning_parallel.pipeline import HybridCosineLinearLR
 
@@ -73,6 +74,7 @@ __all__ = [
     "SpecTrainStrategy",
     "Straggler",
     "__version__",
+    "hold_freed_memory",
     "process_ledger",
     "register_strategy",
     "registered_names",

@@ -67,6 +67,15 @@ def _parser() -> argparse.ArgumentParser:
         "local: every host's processes on this machine's loopback, unshaped, no root (times "
         "compute; --bandwidth and --latency are ignored)",
     )
+    parser.add_argument(
+        "--malloc",
+        choices=("held", "system"),
+        default="held",
+        help="held: every rank keeps the memory it frees for its next tensors "
+        "(lightning_parallel.hold_freed_memory: no page faults for blocks up to 32 MiB, as the "
+        "plan's profile runs); system: the C library's defaults, under which large temporary "
+        "tensors can fault in every step",
+    )
     parser.add_argument("--bandwidth", default="1gbit", help="per host and direction (tc units)")
     parser.add_argument("--latency", default="1ms", help="one-way delay per host (e.g. 1ms, 0)")
     parser.add_argument(
@@ -168,6 +177,7 @@ def main(argv: list[str]) -> int:
         faults=args.fault,
         memory_per_host=args.memory_per_host,
         network=args.network,
+        malloc=args.malloc,
     )
     warnings.filterwarnings("ignore", "latency .* is NOT emulated", RuntimeWarning)
     warnings.filterwarnings("ignore", "swap is not capped", RuntimeWarning)

@@ -385,6 +385,7 @@ def run_plan(args: argparse.Namespace) -> dict[str, Any]:
             if profile.peak_rss_bytes is None
             else profile.peak_rss_bytes / 2**20,
             "pipeline_error": profile.pipeline_error,
+            "freed_memory_held": profile.notes.get("freed_memory_held"),
         },
         "predictions": [p.as_dict() for p in predictions],
         "scaling": {spec: [list(point) for point in curve] for spec, curve in curves.items()},
@@ -437,6 +438,7 @@ def links_text(cluster: dict[str, Any]) -> str:
 
 def main(argv: list[str]) -> int:
     """Parse ``argv`` (after ``plan``), plan, print the ranked table; 0 on success."""
+    from lightning_parallel.cpu_memory import HELD_NOTE
     from lightning_parallel.plan.planner import table
     from lightning_parallel.plan.prediction import Prediction
 
@@ -455,6 +457,8 @@ def main(argv: list[str]) -> int:
         f"{links_text(cluster)}: predictions, fastest first"
     )
     print(table(predictions))
+    if record["profile"]["freed_memory_held"] and not record["compute"].endswith("cuda"):
+        print(HELD_NOTE)
     if args.json is not None:
         args.json.write_text(json.dumps(record, indent=1))
         print(f"wrote {args.json}")

@@ -125,10 +125,13 @@ def profile_module(
     take layer profiles at (1: the whole batch). ``accelerator="cuda"``: the fit, the step, the
     layers, the codecs and the hook all run on this process's GPU (every clock reading waits
     for the GPU's queued work), and the profile's notes say so (``"accelerator": "cuda"``).
+    The process holds the memory it frees from then on, as a bench rank does
+    (:func:`~lightning_parallel.cpu_memory.hold_freed_memory`; ``"freed_memory_held"``).
     Returns a :class:`~lightning_parallel.plan.profile.StepProfile`."""
     import torch
 
     from lightning_parallel.compat.namespaces import PYTORCH_LIGHTNING, of_object
+    from lightning_parallel.cpu_memory import hold_freed_memory
     from lightning_parallel.plan.codecs import codec_timings
     from lightning_parallel.plan.measure import (
         parameter_server_exchange_seconds,
@@ -143,6 +146,9 @@ def profile_module(
     device = torch.device("cuda", torch.cuda.current_device()) if accelerator == "cuda" else None
     lightning = (of_object(model) or PYTORCH_LIGHTNING).module()
     threads_before = torch.get_num_threads()
+    # a bench rank holds freed memory too: without it, whether a step's temporary tensors
+    # fault in depends on what the process freed before (lightning_parallel.cpu_memory)
+    held = hold_freed_memory()
     base = _rss_bytes()
     probe = _step_probe(lightning.Callback, steps, seconds)
     with _isolated_fit():
@@ -199,6 +205,7 @@ def profile_module(
             "validation_samples": _validation_samples(datamodule),
             "drop_last": bool(getattr(loader, "drop_last", False)),
             "accelerator": accelerator,
+            "freed_memory_held": held,
         },
     )
 

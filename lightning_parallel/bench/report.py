@@ -49,6 +49,7 @@ def setting(config: dict[str, Any]) -> str:
             if config.get("memory_per_host")
             else ""
         )
+        + (", the C library's malloc defaults" if config.get("malloc") == "system" else "")
     )
 
 

@@ -87,6 +87,7 @@ class BenchConfig:
     faults: list[str] = field(default_factory=list)
     memory_per_host: int | None = None
     network: str = "netns"
+    malloc: str = "held"
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the fix for any inconsistent setting."""
@@ -98,6 +99,10 @@ class BenchConfig:
             raise ValueError(
                 "a link fault needs --network netns: loopback hosts share one link (kill and "
                 "freeze faults work on --network local)"
+            )
+        if self.malloc not in MALLOC_MODES:
+            raise ValueError(
+                f"malloc must be one of {', '.join(MALLOC_MODES)}, got {self.malloc!r}"
             )
         if self.accelerator not in ("cpu", "cuda"):
             raise ValueError(f"accelerator must be 'cpu' or 'cuda', got {self.accelerator!r}")
@@ -138,6 +143,7 @@ def _worker_command(spec: str, config: BenchConfig, output: Path) -> list[str]:
         "--spec", spec, "--model", config.model, "--data", config.data,
         "--batch-size", str(config.batch_size), "--seed", str(config.seed),
         "--output", str(output), "--accelerator", config.accelerator,
+        "--malloc", config.malloc,
     ]  # fmt: skip
     if config.max_steps is not None:
         command += ["--max-steps", str(config.max_steps)]
@@ -152,6 +158,8 @@ def _worker_command(spec: str, config: BenchConfig, output: Path) -> list[str]:
 # hung: the bar is timeout + 30 s; waiting 30 s more shows by how much a late rank misses it
 HANG_MARGIN_S = 60.0
 NETWORKS = ("netns", "local")  # simulated hosts behind shaped links, or processes on loopback
+# each rank's C library: freed memory held (lightning_parallel.cpu_memory), or glibc's defaults
+MALLOC_MODES = ("held", "system")
 # with faults, each rank prints a progress line this often: a rank that goes on without the
 # lost one is seen to work
 PROGRESS_EVERY_S = 10.0

@@ -64,6 +64,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", required=True, type=Path)
     parser.add_argument("--accelerator", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--malloc", choices=("held", "system"), default="held")
     parser.add_argument(
         "--progress-every",
         type=float,
@@ -305,9 +306,12 @@ def train(args: argparse.Namespace, progress: _Progress | None = None) -> dict[s
     from lightning_parallel.callbacks.straggler import Straggler
     from lightning_parallel.comm.accounting import ring_allreduce_bytes
     from lightning_parallel.comm.ledger import process_ledger
+    from lightning_parallel.cpu_memory import hold_freed_memory
     from lightning_parallel.demo import default_data
 
     torch.set_num_threads(1)  # hosts share the machine's cores: one thread per process
+    if args.malloc == "held":  # as the plan's profile: no page faults for temporary tensors
+        hold_freed_memory()
     num_nodes = int(os.environ.get("LP_CLUSTER_HOSTS", os.environ.get("WORLD_SIZE", "1")))
     devices: int | list[int] = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
