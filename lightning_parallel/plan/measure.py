@@ -209,7 +209,15 @@ def chain_seconds(layers: Sequence[nn.Module], example: Any, micro_batches: int)
 
     Timing layers one by one adds each layer's own call and graph overhead and starts each on
     cold caches: on ``gpt`` at micro-batches of 8 the layers summed 22.6 ms where the chain
-    took about 17 (GroPipe measured 16.5 ms a micro-batch for a stage of nearly all of it)."""
+    took about 17 (GroPipe measured 16.5 ms a micro-batch for a stage of nearly all of it).
+
+    Each pass starts with the gradients cleared, as a training step does after ``zero_grad``:
+    a gradient is then created, not added to, and a deferred linear layer's flush writes its
+    product as the gradient instead of adding a temporary copy to one (``vgg_mini``'s
+    2048 x 4096 layer: a 32 MiB temporary, above what a process keeps for reuse, see
+    :mod:`~lightning_parallel.cpu_memory`). On ``vgg_mini`` at micro-batches of 8 the chain
+    took 31.5 ms with the gradients kept between passes and 28.3 ms cleared; GroPipe's two
+    stages measured 27.0 and 28.3 ms a micro-batch together in two runs."""
     from lightning_parallel.pipeline.profile import (
         backward_ones,
         call_layer,
@@ -220,8 +228,10 @@ def chain_seconds(layers: Sequence[nn.Module], example: Any, micro_batches: int)
 
     deferred = [linear for layer in layers for linear in deferred_linears(layer)]
     samples = []
-    with timing_passes(layers):
+    with timing_passes(layers) as parameters:
         for index in range(4):
+            for parameter in parameters:  # each pass is a step's: after zero_grad
+                parameter.grad = None
             start = clock()
             with deferring_weight_gradients(bool(deferred)):
                 current: Any = received_input(example)

@@ -83,6 +83,31 @@ def test_a_profile_survives_json_and_scales_its_layers() -> None:
     assert doubled.layers[0].parameter_bytes == first.parameter_bytes
 
 
+def test_each_chain_pass_starts_as_a_step_does_with_no_gradient(monkeypatch) -> None:
+    from lightning_parallel.pipeline import weight_grad
+
+    found: list[bool] = []  # a flush into a gradient left by the pass before, or a fresh one
+    accumulate = weight_grad._accumulate
+
+    def spy(parameter: Tensor, gradient: Tensor) -> None:
+        found.append(parameter.grad is not None)
+        accumulate(parameter, gradient)
+
+    monkeypatch.setattr(weight_grad, "_accumulate", spy)
+    net = _Net()
+    kept = [torch.full_like(p, 7.0) for p in net.parameters()]
+    for parameter, grad in zip(net.parameters(), kept):
+        parameter.grad = grad
+    layers, error = pipeline_layers(net, _batch(), [2], step_args=(0,), repeats=1)
+    assert error is None and [p.micro_batch for p in layers] == [4]
+    # the micro-batched chain's deferred linear layers (weight and bias, two layers) flush once
+    # in each of the chain's 4 passes (and in the layers' own timing), every time into
+    # cleared gradients
+    assert len(found) >= 4 * 2 * 2 and not any(found)
+    # and the module's own gradients are left as they were
+    assert all(p.grad is g for p, g in zip(net.parameters(), kept))
+
+
 def test_a_model_that_cannot_be_split_gives_the_reason() -> None:
     class Opaque(nn.Module):
         def __init__(self) -> None:
