@@ -6,12 +6,12 @@ first touch and is zeroed by the kernel, each time the block is allocated again.
 starts at 128 KiB and rises by itself to the size of the largest mmapped block freed so far
 (up to 32 MiB), and memory at the heap's top above twice that is handed back (trimmed). So
 whether a training step's temporary tensors fault depends on what the process freed before:
-on the same run and the same numbers, a stage of torchvision's ResNet-18 (``layer4``,
-micro-batches of 8 at 32 pixels) took 20 ms a micro-batch in some launches and 37-40 ms in
-others. A convolution of 512 to 512 channels on a 1x1 map (batch 8, one thread) does most of its
-work copying the weights to and from oneDNN's blocked layout: its forward and backward took
-11-13 ms with 4,576 page faults a call at glibc's defaults, and 3.8-4.5 ms with none with the
-two settings below.
+on the same run and the same numbers, GroPipe's stage holding torchvision ResNet-18's first
+``layer4`` block (micro-batches of 8 at 32 pixels) took 17-21 ms a micro-batch in 11 of 13
+launches and 31-40 ms in the other two. A convolution of 512 to 512 channels on a 1x1 map
+(batch 8, one thread) does most of its work copying the weights to and from oneDNN's blocked
+layout: its forward and backward took 11-13 ms with 4,576 page faults a call at glibc's
+defaults, and 3.8-4.5 ms with none with the two settings below.
 
 :func:`hold_freed_memory` fixes both settings for the rest of the process (``mallopt``):
 
@@ -19,6 +19,9 @@ two settings below.
   are reused;
 - ``M_TRIM_THRESHOLD`` at 256 MiB: the heap keeps up to 256 MiB of freed memory at its top
   instead of handing it back and faulting it in again.
+
+A block above 32 MiB is still mapped afresh each time (``vgg_mini``'s 2048 x 4096 layer's
+32 MiB gradient: 8,193 page faults each time it is made).
 
 Setting one alone turns the automatic adjustment off and is worse than neither (9,220 faults a
 call in the measurement above). The same two settings from the shell, for processes not yet
