@@ -2,17 +2,26 @@
 
 from __future__ import annotations
 
+import ctypes
 import ctypes.util
 import json
 import os
+import platform
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from lightning_parallel import cpu_memory
 from lightning_parallel.bench.runner import BenchConfig, _worker_command
+
+GLIBC = platform.libc_ver()[0] == "glibc"
+needs_glibc_and_onednn = pytest.mark.skipif(
+    not GLIBC or not torch.backends.mkldnn.is_available(),
+    reason="glibc's mallopt, and oneDNN's weight copies to fault on",
+)
 
 # oneDNN copies a 512 -> 512, 3x3 convolution's weights (9.4 MB) to its blocked layout in the
 # forward and the backward; on a 1x1 map that copying is most of the call
@@ -49,20 +58,46 @@ def _faults_per_call(mode: str, variables: dict[str, str] | None = None) -> floa
     return float(json.loads(done.stdout.strip().splitlines()[-1]))
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
-def test_held_freed_memory_ends_the_page_faults_of_a_convolution_s_weight_copies():
+@needs_glibc_and_onednn
+def test_held_freed_memory_ends_the_page_faults_of_a_convolution_s_weight_copies() -> None:
     system, held = _faults_per_call("system"), _faults_per_call("held")
     # at glibc's defaults each copy's 9.4 MB is mapped afresh: 2,300 pages a copy
     assert system > 2000
     assert held < 50
 
 
-def test_without_glibc_s_mallopt_nothing_is_changed(monkeypatch):
+def test_without_glibc_s_mallopt_nothing_is_changed(monkeypatch) -> None:
     monkeypatch.setattr(ctypes.util, "find_library", lambda name: None)
     assert cpu_memory.hold_freed_memory() is False
 
 
-def test_the_bench_s_ranks_hold_freed_memory_unless_told_otherwise():
+class _Library:
+    """A C library whose ``mallopt`` refuses the mmap threshold (as a 32-bit glibc refuses
+    32 MiB) and records every call."""
+
+    def __init__(self, name: str) -> None:
+        self.calls: list[tuple[int, int]] = []
+        library = self
+
+        def mallopt(parameter: int, value: int) -> int:
+            library.calls.append((parameter, value))
+            return 0 if parameter == cpu_memory.M_MMAP_THRESHOLD else 1
+
+        self.mallopt = mallopt
+
+
+def test_a_refused_mmap_threshold_leaves_the_trim_threshold_alone(monkeypatch) -> None:
+    # one setting alone turns glibc's adjustment off and is worse than neither
+    libraries: list[_Library] = []
+    monkeypatch.setattr(ctypes.util, "find_library", lambda name: "libc.so.6")
+    monkeypatch.setattr(
+        ctypes, "CDLL", lambda name: libraries.append(_Library(name)) or libraries[-1]
+    )
+    assert cpu_memory.hold_freed_memory() is False
+    assert libraries[0].calls == [(cpu_memory.M_MMAP_THRESHOLD, cpu_memory.MMAP_THRESHOLD_BYTES)]
+
+
+def test_the_bench_s_ranks_hold_freed_memory_unless_told_otherwise() -> None:
     held = _worker_command("ddp", BenchConfig(), Path("run.json"))
     assert held[held.index("--malloc") + 1] == "held"
     system = _worker_command("ddp", BenchConfig(malloc="system"), Path("run.json"))
@@ -71,8 +106,8 @@ def test_the_bench_s_ranks_hold_freed_memory_unless_told_otherwise():
         BenchConfig(malloc="jemalloc").validate()
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's variables")
-def test_the_shell_s_variables_hold_freed_memory_as_the_call_does():
+@needs_glibc_and_onednn
+def test_the_shell_s_variables_hold_freed_memory_as_the_call_does() -> None:
     assert _faults_per_call("system", cpu_memory.ENVIRONMENT) < 50
     # one of the two alone turns glibc's own adjustment off and is no better
     mapped_only = {"MALLOC_MMAP_THRESHOLD_": cpu_memory.ENVIRONMENT["MALLOC_MMAP_THRESHOLD_"]}

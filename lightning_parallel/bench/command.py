@@ -72,7 +72,7 @@ def _parser() -> argparse.ArgumentParser:
         choices=("held", "system"),
         default="held",
         help="held: every rank keeps the memory it frees for its next tensors "
-        "(lightning_parallel.hold_freed_memory: no page faults for blocks up to 32 MiB, as the "
+        "(lightning_parallel.hold_freed_memory: no page faults for blocks under 32 MiB, as the "
         "plan's profile runs); system: the C library's defaults, under which large temporary "
         "tensors can fault in every step",
     )

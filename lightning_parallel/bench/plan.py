@@ -99,6 +99,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--threads", type=int, default=1, help="torch threads while profiling")
     parser.add_argument(
+        "--malloc",
+        choices=("held", "system"),
+        default="held",
+        help="held: profile with freed memory held (lightning_parallel.hold_freed_memory), as "
+        "bench ranks run; system: the C library's defaults",
+    )
+    parser.add_argument(
         "--accelerator",
         choices=("cpu", "cuda"),
         default="cpu",
@@ -186,7 +193,7 @@ def take_profile(
         model, datamodule, micro_batches=_micro_batch_counts(strategies),
         steps=args.profile_steps, seconds=args.profile_seconds, threads=args.threads,
         seed=args.seed,
-        accelerator=args.accelerator,
+        accelerator=args.accelerator, hold_memory=args.malloc == "held",
     )  # fmt: skip
     return replace(profile, notes={**profile.notes, "model": args.model, "data": data_text})
 
@@ -205,7 +212,9 @@ def plan(
     """Predict each strategy of ``specs`` (default: one of each family) for ``model`` trained on
     ``datamodule`` on ``cluster`` (a :class:`~lightning_parallel.plan.network.Cluster`), fastest
     first: a list of :class:`~lightning_parallel.plan.prediction.Prediction`. The profile runs
-    on ``accelerator`` ("cpu", or "cuda": this process's GPU).
+    on ``accelerator`` ("cpu", or "cuda": this process's GPU), in this process, which holds the
+    memory it frees from then on (:func:`~lightning_parallel.cpu_memory.hold_freed_memory`, as
+    a bench rank does).
 
     Example::
 
@@ -386,6 +395,7 @@ def run_plan(args: argparse.Namespace) -> dict[str, Any]:
             else profile.peak_rss_bytes / 2**20,
             "pipeline_error": profile.pipeline_error,
             "freed_memory_held": profile.notes.get("freed_memory_held"),
+            "accelerator": profile.notes.get("accelerator", "cpu"),
         },
         "predictions": [p.as_dict() for p in predictions],
         "scaling": {spec: [list(point) for point in curve] for spec, curve in curves.items()},
@@ -457,7 +467,7 @@ def main(argv: list[str]) -> int:
         f"{links_text(cluster)}: predictions, fastest first"
     )
     print(table(predictions))
-    if record["profile"]["freed_memory_held"] and not record["compute"].endswith("cuda"):
+    if record["profile"]["freed_memory_held"] and record["profile"]["accelerator"] == "cpu":
         print(HELD_NOTE)
     if args.json is not None:
         args.json.write_text(json.dumps(record, indent=1))

@@ -119,14 +119,16 @@ def profile_module(
     threads: int = 1,
     seed: int = 0,
     accelerator: str = "cpu",
+    hold_memory: bool = True,
 ) -> Any:
     """Profile a ``LightningModule`` (either namespace) on its data module's first batch, in
     this process (see the module docstring); ``micro_batches`` are the splits of the batch to
     take layer profiles at (1: the whole batch). ``accelerator="cuda"``: the fit, the step, the
     layers, the codecs and the hook all run on this process's GPU (every clock reading waits
     for the GPU's queued work), and the profile's notes say so (``"accelerator": "cuda"``).
-    The process holds the memory it frees from then on, as a bench rank does
-    (:func:`~lightning_parallel.cpu_memory.hold_freed_memory`; ``"freed_memory_held"``).
+    With ``hold_memory`` the process holds the memory it frees from then on, as a bench rank
+    does (:func:`~lightning_parallel.cpu_memory.hold_freed_memory`; the notes'
+    ``"freed_memory_held"`` says whether it did).
     Returns a :class:`~lightning_parallel.plan.profile.StepProfile`."""
     import torch
 
@@ -148,7 +150,7 @@ def profile_module(
     threads_before = torch.get_num_threads()
     # a bench rank holds freed memory too: without it, whether a step's temporary tensors
     # fault in depends on what the process freed before (lightning_parallel.cpu_memory)
-    held = hold_freed_memory()
+    held = hold_memory and hold_freed_memory()
     base = _rss_bytes()
     probe = _step_probe(lightning.Callback, steps, seconds)
     with _isolated_fit():

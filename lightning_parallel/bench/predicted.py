@@ -52,7 +52,7 @@ def plan_argv(specs: list[str], config: BenchConfig, output: Path) -> list[str]:
         "--hosts", str(config.hosts), "--procs-per-host", str(config.procs_per_host),
         "--bandwidth", bandwidth, "--latency", latency,
         "--scale", str(config.hosts), "--json", str(output),
-        "--accelerator", config.accelerator,
+        "--accelerator", config.accelerator, "--malloc", config.malloc,
     ]  # fmt: skip
     for spec in specs:
         argv += ["-s", spec]

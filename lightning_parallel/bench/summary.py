@@ -163,6 +163,8 @@ def summarize(
             "boundaries": lead.get("boundaries"),
             "straggler_delay_s": max(r["straggler_delay_s"] for r in records),
             "torch_threads": max(r["torch_threads"] for r in records),
+            # every rank held the memory it freed (--malloc held, glibc)
+            "freed_memory_held": all(r.get("freed_memory_held", False) for r in records),
             "per_rank": per_rank,
             "gauges": gauges,
         },

@@ -310,8 +310,8 @@ def train(args: argparse.Namespace, progress: _Progress | None = None) -> dict[s
     from lightning_parallel.demo import default_data
 
     torch.set_num_threads(1)  # hosts share the machine's cores: one thread per process
-    if args.malloc == "held":  # as the plan's profile: no page faults for temporary tensors
-        hold_freed_memory()
+    # as the plan's profile: no page faults for temporary tensors (False without glibc)
+    held = args.malloc == "held" and hold_freed_memory()
     num_nodes = int(os.environ.get("LP_CLUSTER_HOSTS", os.environ.get("WORLD_SIZE", "1")))
     devices: int | list[int] = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -385,6 +385,7 @@ def train(args: argparse.Namespace, progress: _Progress | None = None) -> dict[s
         "boundaries": getattr(trainer.strategy, "boundaries", None),
         "straggler_delay_s": straggler.delayed_seconds if straggler else 0.0,
         "torch_threads": torch.get_num_threads(),
+        "freed_memory_held": held,
         "peak_rss_mb": probe.train_peak_rss_mb or _peak_rss_mb(),
         **probe.footprint,
     }

@@ -2,6 +2,7 @@
 
 import json
 import os
+import platform
 from pathlib import Path
 
 import pytest
@@ -44,6 +45,9 @@ def test_a_class_path_model_runs_under_two_specs_with_every_figure(tmp_path, imp
         assert 0.0 <= run["val_acc"] <= 1.0 and run["val_loss"] is not None
         assert run["peak_rss_mb"] > 0
         assert run["extra"]["parameters"] == 8 * 16 + 16 + 16 * 3 + 3
+        # every rank held the memory it freed, as the plan's profile does (glibc only)
+        assert result["config"]["malloc"] == "held"
+        assert run["extra"]["freed_memory_held"] is (platform.libc_ver()[0] == "glibc")
 
 
 def test_a_module_that_logs_no_accuracy_gives_a_null_val_acc(tmp_path):

@@ -14,7 +14,8 @@ def test_a_loopback_bench_trains_every_rank_and_counts_no_wire_bytes(tmp_path):
     out = tmp_path / "out.json"
     code = bench_main(
         ["-s", "ddp", "--network", "local", "--hosts", "2", "--model", "convnet",
-         "--max-steps", "6", "--warmup-steps", "1", "--json", str(out), "--timeout", "300"]
+         "--max-steps", "6", "--warmup-steps", "1", "--json", str(out), "--timeout", "300",
+         "--malloc", "system"]
     )  # fmt: skip
     assert code == 0
     result = json.loads(out.read_text())
@@ -22,6 +23,8 @@ def test_a_loopback_bench_trains_every_rank_and_counts_no_wire_bytes(tmp_path):
     assert config["network"] == "local" and config["bandwidth"] == "unshaped"
     assert run["ok"] and run["world_size"] == 2 and run["steps"] == 6
     assert sorted(rank["rank"] for rank in run["extra"]["per_rank"]) == [0, 1]
+    # --malloc system reached the ranks: glibc's own settings, nothing held
+    assert config["malloc"] == "system" and run["extra"]["freed_memory_held"] is False
     # loopback carries every host's traffic: no per-host counter, the library's own count only
     assert run["wire_bytes_per_step"] is None
     assert run["reported_bytes_per_step"] == pytest.approx(

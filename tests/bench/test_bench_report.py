@@ -101,6 +101,10 @@ def test_the_setting_line_names_the_device_and_the_link():
     )
     shaped = dict(config, network="netns", bandwidth="100mbit", latency="5ms", accelerator="cpu")
     assert setting(shaped).endswith("1 procs, 100mbit, latency 5ms, 400 steps, seed 0")
+    # ranks that ran on the C library's own malloc settings are named (held is the default)
+    system = dict(shaped, malloc="system")
+    assert setting(system).endswith("seed 0, the C library's malloc defaults")
+    assert setting(dict(shaped, malloc="held")) == setting(shaped)
 
 
 def test_config_errors_name_the_fix():
