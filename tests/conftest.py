@@ -29,11 +29,11 @@ def _seed() -> None:
 def _environment() -> Iterator[None]:
     """Each test gets the session's environment back: a Trainer run in this process sets
     ``MASTER_PORT`` and the ranks' variables, which later subprocesses must not inherit."""
+    from lightning_parallel.bench.plan_profile import restore_environment
+
     saved = dict(os.environ)
     yield
-    if os.environ != saved:
-        os.environ.clear()
-        os.environ.update(saved)
+    restore_environment(saved)
 
 
 @pytest.fixture(autouse=True)

@@ -105,8 +105,19 @@ def _isolated_fit() -> Iterator[None]:
     finally:
         if dist.is_available() and dist.is_initialized() and not had_group:
             dist.destroy_process_group()
-        os.environ.clear()
-        os.environ.update(environment)
+        restore_environment(environment)
+
+
+def restore_environment(saved: dict[str, str]) -> None:
+    """Give the process the environment ``saved`` again, touching only the variables that
+    differ: clearing the whole environment and setting it again would rewrite (and reallocate)
+    the C library's ``environ`` once per variable, under any native thread reading it with
+    ``getenv``, which is not safe against ``setenv`` in another thread."""
+    for name in [name for name in os.environ if name not in saved]:
+        del os.environ[name]
+    for name, value in saved.items():
+        if os.environ.get(name) != value:
+            os.environ[name] = value
 
 
 def profile_module(

@@ -134,3 +134,21 @@ def test_the_comparison_prints_predicted_beside_measured():
     assert result["runs"][3]["extra"]["predicted_boundaries"] == [3]
     assert "(cut at [5], the plan's at [3])" in table
     assert table.count("cut at") == 1
+
+
+def test_the_environment_is_given_back_one_changed_variable_at_a_time(monkeypatch):
+    # the one-process fit's variables are undone without rewriting the whole environment:
+    # each setenv or unsetenv may reallocate the C library's environ under a native thread
+    # that reads it
+    from lightning_parallel.bench.plan_profile import restore_environment
+
+    monkeypatch.setenv("LP_TEST_KEPT", "before")
+    saved = dict(os.environ)
+    os.environ["LP_TEST_KEPT"] = "during"
+    os.environ["LP_TEST_ADDED"] = "1"
+    calls: list[str] = []
+    monkeypatch.setattr(os, "putenv", lambda name, value: calls.append(f"set {os.fsdecode(name)}"))
+    monkeypatch.setattr(os, "unsetenv", lambda name: calls.append(f"unset {os.fsdecode(name)}"))
+    restore_environment(saved)
+    assert dict(os.environ) == saved
+    assert sorted(calls) == ["set LP_TEST_KEPT", "unset LP_TEST_ADDED"]
