@@ -205,7 +205,8 @@ def pipeline_layers(
 
 def chain_seconds(layers: Sequence[nn.Module], example: Any, micro_batches: int) -> float:
     """Forward and backward of the whole chain on one micro-batch, timed as one block (the
-    median of 3 after a warm-up), deferred weight gradients' flush shared by ``micro_batches``.
+    median of 3 after a warm-up), and a ``micro_batches``-th of the deferred weight gradients'
+    flush over ``micro_batches`` micro-batches' rows, as a step flushes them.
 
     Timing layers one by one adds each layer's own call and graph overhead and starts each on
     cold caches: on ``gpt`` at micro-batches of 8 the layers summed 22.6 ms where the chain
@@ -217,7 +218,14 @@ def chain_seconds(layers: Sequence[nn.Module], example: Any, micro_batches: int)
     2048 x 4096 layer: a 32 MiB temporary, above what a process keeps for reuse, see
     :mod:`~lightning_parallel.cpu_memory`). On ``vgg_mini`` at micro-batches of 8 the chain
     took 31.5 ms with the gradients kept between passes and 28.3 ms cleared; GroPipe's two
-    stages measured 27.0 and 28.3 ms a micro-batch together in two runs."""
+    stages measured 27.0 and 28.3 ms a micro-batch together in two runs.
+
+    The flush is one product over the rows it is given, so it grows with the micro-batches
+    (``vgg_mini``'s, whose cost is writing the 32 MiB gradient, hardly does). Timed over this
+    pass's one micro-batch and divided by their count, ``gpt``'s chain at micro-batches of 8
+    came to 6.8 ms; over four micro-batches' rows, 8.4. GroPipe's two stages, traced on a
+    timeline at 1 Gbit/s, took 3.7 and 4.6 ms a micro-batch, their flushes 0.7 and 1.0 of it
+    (the chain's split now gives 0.7 and 1.0)."""
     from lightning_parallel.pipeline.profile import (
         backward_ones,
         call_layer,
@@ -238,6 +246,10 @@ def chain_seconds(layers: Sequence[nn.Module], example: Any, micro_batches: int)
                 for position, layer in enumerate(layers):
                     current = call_layer(layer, current, position == 0)
                 backward_ones(current)
+            # a step's flush takes the pairs of all its micro-batches: one product over their
+            # rows, which grows with them (this pass kept one micro-batch's pair)
+            for linear in deferred:
+                linear.pending[:] = linear.pending[:1] * max(1, micro_batches)
             middle = clock()
             for linear in deferred:
                 linear.flush()
