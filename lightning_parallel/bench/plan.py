@@ -367,7 +367,9 @@ def main(argv: list[str]) -> int:
         f"{links_text(cluster)}: predictions, fastest first"
     )
     print(table(predictions))
-    if record["profile"]["freed_memory_held"] and record["profile"]["accelerator"] == "cpu":
+    # the advice is for training on this CPU as it was timed, not for a plan on an accelerator
+    on_cpu = record["profile"]["accelerator"] == "cpu" and args.accelerator_tflops is None
+    if record["profile"]["freed_memory_held"] and on_cpu:
         print(HELD_NOTE)
     if args.json is not None:
         args.json.write_text(json.dumps(record, indent=1))

@@ -73,6 +73,12 @@ def test_plan_profiles_a_class_path_module_once_and_plans_other_clusters(
     assert eight[0]["payload_bytes_per_step"] == pytest.approx(
         two[0]["payload_bytes_per_step"] * 2 * 7 / 8, rel=1e-6
     )
+    # planned for an accelerator, the CPU's malloc advice does not apply: not printed
+    again = ["--from-profile", str(kept), "--hosts", "2", "--bandwidth", "1gbit", "-s", "ddp"]
+    assert plan_main(again) == 0
+    assert ("hold_freed_memory" in capsys.readouterr().out) is (platform.libc_ver()[0] == "glibc")
+    assert plan_main([*again, "--accelerator-tflops", "100"]) == 0
+    assert "hold_freed_memory" not in capsys.readouterr().out
 
 
 def test_bench_predict_passes_the_bench_settings_and_counts_its_run_length():
