@@ -105,7 +105,14 @@ class DeferredGradLinear(nn.Linear):
         inputs = torch.cat([x.reshape(-1, x.shape[-1]) for x, _ in self.pending])
         grads = torch.cat([g.reshape(-1, g.shape[-1]) for _, g in self.pending])
         self.pending.clear()
-        _accumulate(self.weight, grads.t().mm(inputs.to(grads.dtype)))
+        inputs = inputs.to(grads.dtype)
+        kept = self.weight.grad
+        if kept is not None and kept.dtype == grads.dtype:
+            # accumulating (a second step's micro-batches, gradient accumulation): the product
+            # added in place, without a temporary the size of the weight
+            kept.addmm_(grads.t(), inputs)
+        else:
+            _accumulate(self.weight, grads.t().mm(inputs))
         if self.bias is not None:
             _accumulate(self.bias, grads.sum(0))
 
