@@ -225,7 +225,7 @@ def chain_seconds(layers: Sequence[nn.Module], example: Any, micro_batches: int)
     pass's one micro-batch and divided by their count, ``gpt``'s chain at micro-batches of 8
     came to 6.8 ms; over four micro-batches' rows, 8.4. GroPipe's two stages, traced on a
     timeline at 1 Gbit/s, took 3.7 and 4.6 ms a micro-batch, their flushes 0.7 and 1.0 of it
-    (the chain's split now gives 0.7 and 1.0)."""
+    (the chain's split: 0.7 and 1.0 in one profile, 0.7 and 0.8 in another)."""
     from lightning_parallel.pipeline.profile import (
         backward_ones,
         call_layer,
