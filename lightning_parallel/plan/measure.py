@@ -210,7 +210,8 @@ def chain_seconds(layers: Sequence[nn.Module], example: Any, micro_batches: int)
 
     Timing layers one by one adds each layer's own call and graph overhead and starts each on
     cold caches: on ``gpt`` at micro-batches of 8 the layers summed 22.6 ms where the chain
-    took about 17 (GroPipe measured 16.5 ms a micro-batch for a stage of nearly all of it).
+    took about 17 (GroPipe measured 16.5 ms a micro-batch for a stage of nearly all of it;
+    timed when this machine ran the same steps about 2.5x slower than it does now).
 
     Each pass starts with the gradients cleared, as a training step does after ``zero_grad``:
     a gradient is then created, not added to, and a deferred linear layer's flush writes its
