@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 from pathlib import Path
 
 import pytest
@@ -46,7 +47,11 @@ def test_every_family_is_predicted_within_five_percent(tmp_path, monkeypatch):
     for spec in FAMILIES:
         argv += ["-s", spec]
     assert bench_main(argv) == 0
-    runs = json.loads(out.read_text())["runs"]
+    record = json.loads(out.read_text())
+    # the profile, in a process of its own, held the memory it freed as every rank did
+    held = platform.libc_ver()[0] == "glibc"
+    assert record["plan_profile"]["notes"]["freed_memory_held"] is held
+    runs = record["runs"]
     errors = {}
     for run in runs:
         predicted = run["extra"]["predicted_step_s"]
