@@ -43,6 +43,10 @@ import os
 
 __all__ = ["hold_freed_memory"]
 
+#: how a process's C library is run: ``held`` (:func:`hold_freed_memory`) or ``system``
+#: (the library's defaults); the bench's and the plan's ``--malloc``
+MALLOC_MODES = ("held", "system")
+
 #: glibc's ``mallopt`` parameter numbers (``malloc.h``)
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3

@@ -18,6 +18,7 @@ from pathlib import Path
 from lightning_parallel.cluster.command import add_memory_per_host
 from lightning_parallel.cluster.launcher import ClusterInterrupted, interrupt_on_signals
 from lightning_parallel.cluster.network import ClusterError
+from lightning_parallel.cpu_memory import MALLOC_MODES
 
 __all__: list[str] = []
 
@@ -69,7 +70,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--malloc",
-        choices=("held", "system"),
+        choices=MALLOC_MODES,
         default="held",
         help="held: every rank keeps the memory it frees for its next tensors "
         "(lightning_parallel.hold_freed_memory: no page faults for blocks under 32 MiB, as the "

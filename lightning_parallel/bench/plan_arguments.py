@@ -10,6 +10,7 @@ import argparse
 from pathlib import Path
 
 from lightning_parallel.bench.plan_profile import PROFILE_SECONDS
+from lightning_parallel.cpu_memory import MALLOC_MODES
 
 __all__: list[str] = []
 
@@ -70,7 +71,7 @@ def plan_parser() -> argparse.ArgumentParser:
     parser.add_argument("--threads", type=int, default=1, help="torch threads while profiling")
     parser.add_argument(
         "--malloc",
-        choices=("held", "system"),
+        choices=MALLOC_MODES,
         default="held",
         help="held: profile with freed memory held (lightning_parallel.hold_freed_memory), as "
         "bench ranks run; system: the C library's defaults",

@@ -57,6 +57,7 @@ from lightning_parallel.cluster.units import (
     parse_latency,
     parse_straggler,
 )
+from lightning_parallel.cpu_memory import MALLOC_MODES
 
 __all__: list[str] = []
 
@@ -158,8 +159,6 @@ def _worker_command(spec: str, config: BenchConfig, output: Path) -> list[str]:
 # hung: the bar is timeout + 30 s; waiting 30 s more shows by how much a late rank misses it
 HANG_MARGIN_S = 60.0
 NETWORKS = ("netns", "local")  # simulated hosts behind shaped links, or processes on loopback
-# each rank's C library: freed memory held (lightning_parallel.cpu_memory), or glibc's defaults
-MALLOC_MODES = ("held", "system")
 # with faults, each rank prints a progress line this often: a rank that goes on without the
 # lost one is seen to work
 PROGRESS_EVERY_S = 10.0

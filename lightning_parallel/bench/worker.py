@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_parallel.cluster.faults import STEPS_VARIABLE, progress_line
+from lightning_parallel.cpu_memory import MALLOC_MODES
 
 __all__: list[str] = []
 
@@ -64,7 +65,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", required=True, type=Path)
     parser.add_argument("--accelerator", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--malloc", choices=("held", "system"), default="held")
+    parser.add_argument("--malloc", choices=MALLOC_MODES, default="held")
     parser.add_argument(
         "--progress-every",
         type=float,
