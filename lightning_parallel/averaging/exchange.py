@@ -78,6 +78,10 @@ class RoundExchange(ReplicaState):
     #: itself; buffers and optimizer state still go through ``reduction``
     parameter_mean: ParameterMean | None
 
+    def _agreement_replaced(self, index: int, before: Agreement | None) -> None:
+        """A round is about to replace fragment ``index``'s agreed point ``before`` (the loss
+        rules keep it until a step has shown the new one healthy)."""
+
     def _fragment_tensors(self, fragment: Fragment) -> tuple[list[Tensor], int, int]:
         """The fragment's live round tensors (parameters, buffers, averaged optimizer state)."""
         parameters = trainable_parameters(self.module)
@@ -196,6 +200,7 @@ class RoundExchange(ReplicaState):
                 agreed = targets if averager.restarts_in_consensus else mean
                 buffers = mean[count : count + current.num_buffers]
                 residual = agreement.residual if agreement is not None else None
+                self._agreement_replaced(index, agreement)
                 self.agreements[index] = Agreement(
                     [t.detach().clone() for t in agreed[:count]],
                     [t.detach().clone() for t in buffers],

@@ -8,7 +8,8 @@ replica when :class:`ReplicaCollapse` watches them) with the rules of
 and answers them: a window of synchronous steps where the loss leaves its initial plateau
 (:class:`PlateauExit`), the replacement of a replica that fell back to the starting loss by the
 healthy replicas' mean (:class:`ReplicaCollapse`), and a roll-back of every replica to the last
-agreed point after a spike or regression of the mean loss (:class:`LossSpike`).
+agreed point after a spike or regression of the mean loss (:class:`LossSpike`): the last
+one a step has shown healthy, so a round whose own point spikes at once is not gone back to.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from lightning_parallel.averaging.exchange import RoundExchange
 from lightning_parallel.averaging.plateau import LossSpike, PlateauExit
 from lightning_parallel.averaging.policies import optimizer_state_tensors, reset_optimizer_state
 from lightning_parallel.averaging.reduction import FlatAllReduce, counted
+from lightning_parallel.averaging.rounds import Agreement
 
 __all__: list[str] = []
 
@@ -55,6 +57,10 @@ class LossResponses(RoundExchange):
         self.spike = spike
         self._rollback_due = False
         self.rollbacks = 0
+        # the rounds started by the last roll-back: a rule firing again before the next one
+        # would go back to the same point, and does not (``observe_loss``)
+        self._rounds_at_rollback: int | None = None
+        self.rollbacks_declined = 0
         self.collapse = collapse
         self._collapsed_due: list[int] = []
         # the last point every replica agreed on (unfragmented, exact rounds; streaming and
@@ -63,6 +69,11 @@ class LossResponses(RoundExchange):
         # the last agreed point of a climb not yet known to be transient (``_keep_safe_point``)
         self._held_point: list[Tensor] | None = None
         self._holding = False
+        # until a step from the newest agreed point has shown a loss that fires no rule, the
+        # point before it is kept (``_safe_point``'s, or each fragment's agreement's)
+        self._verified = True
+        self._previous_point: list[Tensor] | None = None
+        self._previous_agreements: dict[int, Agreement | None] = {}
 
     if TYPE_CHECKING:  # the round runner's, defined by ReplicaAveraging
 
@@ -111,16 +122,25 @@ class LossResponses(RoundExchange):
         if self.plateau is not None and self.plateau.observe(mean):
             self._window_due = True
             self.ledger.set_gauge("synchronous_window_at", self.schedule.optimizer_steps)
-        if (
-            self.spike is not None
-            and self.averager.restarts_in_consensus
-            and self.averager.started
-            and self.spike.observe(mean)
-        ):
-            self._rollback_due = True
+        watching = (
+            self.spike is not None and self.averager.restarts_in_consensus and self.averager.started
+        )
+        if watching and self.spike is not None and self.spike.observe(mean):
             self.ledger.set_gauge("loss_spikes", self.spike.spikes)
             self.ledger.set_gauge("loss_regressions", self.spike.regressions)
-        elif self._holding and self.spike is not None and not self.spike.unsettled:
+            if self._rounds_at_rollback == self.rounds:
+                # no round since the last roll-back: going back to the same point again would
+                # repeat it (vgg_mini: a spike every 6 steps, 9 to 36 roll-backs and no round
+                # between them), so training goes on through this one
+                self.rollbacks_declined += 1
+                self.ledger.set_gauge("rollbacks_declined", self.rollbacks_declined)
+            else:
+                self._rollback_due = True
+            return
+        if watching:
+            self._verified = True  # a step from the newest agreed point fired no rule
+            self._previous_agreements.clear()
+        if self._holding and self.spike is not None and not self.spike.unsettled:
             self._release_held_point()
 
     def _observe_replicas(self, value: Tensor) -> float:
@@ -162,26 +182,39 @@ class LossResponses(RoundExchange):
         self.ledger.set_gauge("replicas_replaced", self.collapse.collapses)
 
     def _roll_back(self) -> None:
-        """Every replica restarts from the last agreed point, optimizer state and averagers
-        restarted; the next round is ``period`` steps away."""
+        """Every replica restarts from the last agreed point a step has shown healthy (the
+        newest round's, else the one before it), optimizer state, averagers and the spike
+        rule's level restarted; the next round is ``period`` steps away. Until it has started,
+        the rules fire without rolling back again (:meth:`observe_loss`)."""
         self._rollback_due = False
         self._finish_rounds()
         self._due = []
         if self._keep_agreement and all(agreement is not None for agreement in self.agreements):
+            if not self._verified:  # the newest rounds' points spiked at once: go back before
+                for index, before in self._previous_agreements.items():
+                    if before is not None:
+                        self.agreements[index] = before
             self._put_agreement()
         elif self._safe_point is not None:
+            if not self._verified and self._previous_point is not None:
+                self._safe_point, self._previous_point = self._previous_point, self._safe_point
             with torch.no_grad():
                 for tensor, saved in zip(self._model_tensors(), self._safe_point, strict=True):
                     tensor.copy_(saved)
         else:
             return
+        self._verified = True
+        self._previous_agreements.clear()
         self._holding = False  # a point inside the climb is never gone back to
+        if self.spike is not None:
+            self.spike.restart()
         reset_optimizer_state(self.optimizers)
         self._start_averagers()
         self.schedule.last_round_step = self.schedule.optimizer_steps
         self.schedule.phase_origin = self.schedule.optimizer_steps
         self._in_consensus = True
         self.rollbacks += 1
+        self._rounds_at_rollback = self.rounds
         self.ledger.set_gauge("rollbacks", self.rollbacks)
 
     def _keep_safe_point(self) -> None:
@@ -195,6 +228,12 @@ class LossResponses(RoundExchange):
         spike after a transient climb and before the next round went back to the point from
         before the climb (``bmuf`` seed 4 on ``vgg_mini``: 33 steps, to a loss of 2.26 from
         0.99, where the rounds 19 and 11 steps back had been held).
+
+        The point kept before stays until a step from the new one has fired no rule: a
+        spike at the first loss from a round says the round's point is itself bad, and the
+        roll-back goes to the point before it (:meth:`_roll_back`). Streaming and quantized
+        rounds keep each fragment's agreement from before its rounds the same way
+        (:meth:`_agreement_replaced`).
         """
         if self.spike is None or self._keep_agreement or len(self.fragments) > 1:
             return
@@ -202,8 +241,19 @@ class LossResponses(RoundExchange):
             self._held_point = _copy_into(self._held_point, self._model_tensors())
             self._holding = True
             return
+        if self._verified:  # the point kept so far waits behind the new one until it is shown
+            self._previous_point, self._safe_point = self._safe_point, self._previous_point
         self._safe_point = _copy_into(self._safe_point, self._model_tensors())
+        self._verified = False
         self._holding = False
+
+    def _agreement_replaced(self, index: int, before: Agreement | None) -> None:
+        """Keep fragment ``index``'s agreed point from before its newest round until a step
+        has shown the new one healthy (the first after any round since the last such step)."""
+        if self.spike is None or not self.averager.restarts_in_consensus:
+            return  # no roll-back: nothing to go back to (EASGD's replicas never agree)
+        self._previous_agreements.setdefault(index, before)
+        self._verified = False
 
     def _release_held_point(self) -> None:
         """The climb has settled without a roll-back: the point held inside it is safe."""
@@ -237,6 +287,13 @@ class LossResponses(RoundExchange):
                 **self.spike.state_dict(),
                 "rollback_due": self._rollback_due,
                 "rollbacks": self.rollbacks,
+                "rounds_at_rollback": self._rounds_at_rollback,
+                "rollbacks_declined": self.rollbacks_declined,
+                "verified": self._verified,
+                "previous_agreements": {
+                    index: None if before is None else before.state_dict()
+                    for index, before in self._previous_agreements.items()
+                },
             }
         if self.collapse is not None:
             state["collapse"] = {**self.collapse.state_dict(), "due": list(self._collapsed_due)}
@@ -254,6 +311,15 @@ class LossResponses(RoundExchange):
             self.spike.load_state_dict(saved)
             self._rollback_due = bool(saved.get("rollback_due", False))
             self.rollbacks = int(saved.get("rollbacks", 0))
+            at = saved.get("rounds_at_rollback")
+            self._rounds_at_rollback = None if at is None else int(at)
+            self.rollbacks_declined = int(saved.get("rollbacks_declined", 0))
+            self._verified = bool(saved.get("verified", True))
+            device = self._device()
+            self._previous_agreements = {
+                int(index): None if before is None else Agreement.from_state_dict(before, device)
+                for index, before in (saved.get("previous_agreements") or {}).items()
+            }
         saved = state.get("collapse")
         if self.collapse is not None and saved is not None:
             self.collapse.load_state_dict(saved)
@@ -266,6 +332,8 @@ class LossResponses(RoundExchange):
             state["safe_point"] = [tensor.clone() for tensor in self._safe_point]
         if self._holding and self._held_point is not None:
             state["held_point"] = [tensor.clone() for tensor in self._held_point]
+        if not self._verified and self._previous_point is not None:
+            state["previous_point"] = [tensor.clone() for tensor in self._previous_point]
         return state
 
     def load_local_state_dict(self, state: dict[str, Any]) -> None:
@@ -275,6 +343,9 @@ class LossResponses(RoundExchange):
         saved = state.get("safe_point")
         if saved is not None:
             self._safe_point = [tensor.to(device) for tensor in saved]
+        previous = state.get("previous_point")
+        if previous is not None:
+            self._previous_point = [tensor.to(device) for tensor in previous]
         held = state.get("held_point")
         self._holding = held is not None
         if held is not None:

@@ -276,6 +276,26 @@ def test_a_spike_is_measured_against_the_healthy_level() -> None:
     assert rule.spikes == 2
 
 
+def test_after_a_restart_the_level_restarts_at_the_next_loss() -> None:
+    rule = LossSpike(ratio=2.0, smoothing=0.5, regression=None)  # the spikes alone
+    for loss in (2.3, 2.0, 1.8, 1.6):
+        assert not rule.observe(loss)
+    assert rule.observe(6.0)
+    rule.restart()
+    # the point gone back to is itself bad: its losses are the new level, not spikes
+    assert not rule.observe(5.0)
+    assert rule.smoothed == 5.0
+    assert not any(rule.observe(loss) for loss in (5.5, 4.8, 5.9))
+    assert rule.observe(25.0)  # twice the new level is a spike again
+    assert rule.spikes == 2
+    saved = rule.state_dict()
+    rule.restart()
+    resumed = LossSpike(ratio=2.0, smoothing=0.5, regression=None)
+    resumed.load_state_dict(rule.state_dict())
+    assert resumed.rebase and not LossSpike().rebase
+    assert saved["rebase"] is False
+
+
 def test_late_noise_below_the_starting_level_is_no_spike() -> None:
     rule = LossSpike(ratio=2.0, smoothing=0.5)
     falling = [2.3, 1.5, 0.8, 0.4, 0.2, 0.1, 0.1, 0.1]
@@ -401,12 +421,7 @@ def test_a_spike_rolls_every_replica_back_to_the_last_agreed_point() -> None:
             engine.synchronize()
             if step == 6:  # the round after step 5 was applied at this boundary
                 agreed = torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
-            inputs, targets = _batch(rank, step)
-            optimizer.zero_grad()
-            nn.functional.mse_loss(model(inputs), targets).backward()
-            engine.observe_loss(spiking(rank, step))
-            optimizer.step()
-            engine.count_optimizer_step()
+            _observed_step(engine, model, optimizer, rank, step, spiking(rank, step))
         # step 7's loss spiked: step 8 ran from the agreed point with fresh momentum, and the
         # next round is 3 steps after the roll-back, not at step 8
         engine.synchronize()
@@ -427,6 +442,123 @@ def test_a_spike_rolls_every_replica_back_to_the_last_agreed_point() -> None:
         assert result["last_round_step"] == 8
         assert 0 < result["moved_from_agreed"] < 0.5  # one step with fresh momentum
     assert not torch.equal(results[0]["rolled"], results[1]["rolled"])  # step 8 was local
+
+
+@pytest.mark.parametrize("outer", [False, True])
+def test_a_spike_after_an_evaluation_round_rolls_back_to_the_schedule_s_round(
+    outer: bool,
+) -> None:
+    # rounds after steps 2 and 5; an evaluation after step 6 runs a short round of its own,
+    # and step 8's loss spikes: the roll-back goes to the round after step 5, not to the
+    # evaluation's (diloco on vgg_mini, seed 4: going back to the validation's round, the
+    # loss blew up again from it and the run ended at 0.775; from the round before, 0.900)
+    def run(rank: int, world: int) -> dict[str, object]:
+        model, optimizer, engine = _watched_replicas(outer=outer)
+        points: dict[str, Tensor] = {}
+        for step in range(9):
+            engine.synchronize()
+            if step == 6:
+                points["round"] = _flat(model)
+            if step == 7:
+                engine.prepare_evaluation(policy="round")
+                points["evaluation"] = _flat(model)
+                engine.restore_replica()
+            _observed_step(engine, model, optimizer, rank, step, 10.0 if step == 8 else 2.0)
+        engine.synchronize()
+        rolled = _flat(model)
+        return {
+            "rollbacks": engine.rollbacks,
+            "rounds": engine.rounds,
+            "rolled_to": [name for name, point in points.items() if torch.equal(rolled, point)],
+        }
+
+    for result in run_distributed(run, 2):
+        assert result["rollbacks"] == 1
+        assert result["rounds"] == 3  # after steps 2 and 5, and the evaluation's
+        assert result["rolled_to"] == ["round"]
+
+
+def _observed_step(
+    engine: ReplicaAveraging,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    rank: int,
+    step: int,
+    loss: float,
+) -> None:
+    """One local step on ``rank``'s batch, the loss rules fed ``loss`` (as a fit does)."""
+    inputs, targets = _batch(rank, step)
+    optimizer.zero_grad()
+    nn.functional.mse_loss(model(inputs), targets).backward()
+    engine.observe_loss(loss)
+    optimizer.step()
+    engine.count_optimizer_step()
+
+
+def _flat(model: nn.Module) -> Tensor:
+    return torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
+
+
+def test_a_point_that_spikes_again_is_not_gone_back_to_step_after_step() -> None:
+    # step 7's loss spikes; the point rolled back to loses as much (10.0 from then on): one
+    # roll-back, then training goes on from it (streaming DiLoCo on vgg_mini, seed 1, went
+    # back 45 steps in a row)
+    def run(rank: int, world: int) -> int:
+        model, optimizer, engine = _watched_replicas(outer=True)
+        for step in range(12):
+            engine.synchronize()
+            _observed_step(engine, model, optimizer, rank, step, 10.0 if step >= 7 else 2.0)
+        engine.synchronize()
+        return engine.rollbacks
+
+    assert run_distributed(run, 2) == [1, 1]
+
+
+@pytest.mark.parametrize("outer", [False, True])
+def test_a_spike_at_the_first_step_after_a_round_goes_back_to_the_round_before(
+    outer: bool,
+) -> None:
+    # rounds after steps 2 and 5; the first loss from the round after step 5 (step 6's)
+    # spikes: that round's point is itself bad, and the roll-back goes to the round after
+    # step 2, which step 3's loss had shown healthy (streaming DiLoCo on vgg_mini, seed 1:
+    # a round's point with losses of 4.9 and 5.8 was gone back to until the run died)
+    def run(rank: int, world: int) -> dict[str, object]:
+        model, optimizer, engine = _watched_replicas(outer=outer)
+        points: dict[int, Tensor] = {}
+        for step in range(7):
+            engine.synchronize()
+            if step in (3, 6):  # the rounds after steps 2 and 5 were applied here
+                points[step] = _flat(model)
+            _observed_step(engine, model, optimizer, rank, step, 10.0 if step == 6 else 2.0)
+        engine.synchronize()
+        rolled = _flat(model)
+        return {
+            "rollbacks": engine.rollbacks,
+            "rolled_to": [step for step, point in points.items() if torch.equal(rolled, point)],
+        }
+
+    for result in run_distributed(run, 2):
+        assert result["rollbacks"] == 1
+        assert result["rolled_to"] == [3]
+
+
+def test_no_second_roll_back_before_a_round_has_come() -> None:
+    # spikes at steps 7, 10 and 12: the first rolls back (the next round then comes after
+    # step 10); the second, before that round, would go back to the same point and is only
+    # counted; the third, after the round, rolls back again (vgg_mini: a spike every 6 steps
+    # from one point, with no round between them, rolled back 9 and 36 times)
+    def run(rank: int, world: int) -> tuple[int, int, int]:
+        model, optimizer, engine = _watched_replicas(outer=True)
+        for step in range(14):
+            engine.synchronize()
+            _observed_step(
+                engine, model, optimizer, rank, step, 10.0 if step in (7, 10, 12) else 2.0
+            )
+        engine.synchronize()
+        assert engine.spike is not None
+        return engine.rollbacks, engine.rollbacks_declined, engine.spike.spikes
+
+    assert run_distributed(run, 2) == [(2, 1, 3), (2, 1, 3)]
 
 
 def _watched_replicas(
@@ -464,12 +596,7 @@ def test_a_regression_rolls_back_to_the_point_from_before_the_climb() -> None:
             engine.synchronize()
             if step == 6:  # the round after step 5 was applied at this boundary
                 agreed = torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
-            inputs, targets = _batch(rank, step)
-            optimizer.zero_grad()
-            nn.functional.mse_loss(model(inputs), targets).backward()
-            engine.observe_loss(climbing[step])
-            optimizer.step()
-            engine.count_optimizer_step()
+            _observed_step(engine, model, optimizer, rank, step, climbing[step])
         engine.synchronize()
         assert agreed is not None
         rolled = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
@@ -505,12 +632,7 @@ def test_a_round_held_inside_a_climb_becomes_safe_once_the_loss_settles(settles:
                 agreed[step] = torch.cat(
                     [p.detach().reshape(-1).clone() for p in model.parameters()]
                 )
-            inputs, targets = _batch(rank, step)
-            optimizer.zero_grad()
-            nn.functional.mse_loss(model(inputs), targets).backward()
-            engine.observe_loss(loss)
-            optimizer.step()
-            engine.count_optimizer_step()
+            _observed_step(engine, model, optimizer, rank, step, loss)
         engine.synchronize()
         rolled = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
         assert engine.spike is not None

@@ -14,6 +14,7 @@ from torch import Tensor, nn
 
 from lightning_parallel.averaging import (
     AveragingSchedule,
+    ElasticAverager,
     OuterOptimizerAverager,
     PeriodicAverager,
     ReplicaAveraging,
@@ -21,6 +22,7 @@ from lightning_parallel.averaging import (
     diloco_outer_optimizer,
 )
 from lightning_parallel.averaging.fragments import due_fragments, plan_fragments
+from lightning_parallel.averaging.plateau import LossSpike
 from lightning_parallel.averaging.policies import trainable_parameters
 from lightning_parallel.averaging.quantize import BlockQuantizer
 from lightning_parallel.averaging.quantized_gather import QuantizedAllGather
@@ -412,3 +414,95 @@ def test_bad_streaming_settings_are_refused_with_the_fix() -> None:
         BlockQuantizer("int8", block_size=12)
     with pytest.raises(ValueError, match="'bf16', 'int8' or 'int4'"):
         BlockQuantizer("fp8")
+
+
+@pytest.mark.parametrize("resume", [False, True])
+def test_a_spike_right_after_a_round_of_every_fragment_goes_back_to_the_rounds_before(
+    resume: bool,
+) -> None:
+    # an evaluation's round of every fragment whose point spikes at the first step after it
+    # (streaming DiLoCo on vgg_mini, seed 1: losses of 4.9 and 5.8): every fragment goes back
+    # to its agreed point from before every round since the last loss, which showed it healthy;
+    # with ``resume`` a checkpoint taken after the evaluation (as ModelCheckpoint's) keeps it
+    def build(seed: int) -> tuple[nn.Module, torch.optim.Optimizer, ReplicaAveraging]:
+        model = _deep(seed)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        engine = _engine(
+            model, optimizer, fragments=2, sync_delay=0, keep_agreement=True, spike=LossSpike()
+        )
+        return model, optimizer, engine
+
+    def run(rank: int, world: int) -> dict[str, object]:
+        model, optimizer, engine = build(0)
+        engine.broadcast_replicas()
+        before: list[Tensor] = []
+        after: list[Tensor] = []
+        for step in range(8):
+            if step == 6:  # the points step 5's loss showed healthy (a round may be due now)
+                before = [t.clone() for a in engine.agreements if a for t in a.anchor]
+            engine.synchronize()
+            if step == 6:
+                engine.prepare_evaluation(policy="round")
+                after = [t.clone() for a in engine.agreements if a for t in a.anchor]
+                engine.restore_replica()
+                if resume:
+                    saved = io.BytesIO()
+                    torch.save(
+                        {
+                            "shared": engine.state_dict(),
+                            "local": engine.local_state_dict(),
+                            "model": model.state_dict(),
+                            "optimizer": optimizer.state_dict(),
+                        },
+                        saved,
+                    )
+                    saved.seek(0)
+                    state = torch.load(saved, weights_only=False)
+                    model, optimizer, engine = build(1)
+                    model.load_state_dict(state["model"])
+                    optimizer.load_state_dict(state["optimizer"])
+                    engine.load_state_dict(state["shared"])
+                    engine.load_local_state_dict(state["local"])
+            _sgd_step(model, optimizer, rank, step)
+            engine.observe_loss(10.0 if step == 6 else 2.0)
+            engine.count_optimizer_step()
+            if step == 6:
+                break
+        engine.synchronize()
+        order = [i for fragment in engine.fragments for i in fragment.parameters]
+        live = [trainable_parameters(model)[i].detach() for i in order]
+        return {
+            "rollbacks": engine.rollbacks,
+            "to_before": all(torch.equal(a, b) for a, b in zip(live, before, strict=True)),
+            "moved": not all(torch.equal(a, b) for a, b in zip(before, after, strict=True)),
+        }
+
+    for result in run_distributed(run, 2):
+        assert result == {"rollbacks": 1, "to_before": True, "moved": True}
+
+
+def test_easgd_keeps_no_agreement_to_go_back_to() -> None:
+    # EASGD's replicas never agree and it has no roll-back: its rounds keep no earlier point
+    def run(rank: int, world: int) -> dict[str, object]:
+        model = _deep()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        engine = _engine(
+            model,
+            optimizer,
+            averager=ElasticAverager(),
+            fragments=2,
+            sync_delay=0,
+            keep_agreement=True,
+            spike=LossSpike(),
+        )
+        engine.broadcast_replicas()
+        for step in range(9):
+            engine.synchronize()
+            _sgd_step(model, optimizer, rank, step)
+            engine.observe_loss(2.0)
+            engine.count_optimizer_step()
+        return {"rounds": engine.rounds, "kept": len(engine._previous_agreements)}
+
+    for result in run_distributed(run, 2):
+        assert result["rounds"] >= 2
+        assert result["kept"] == 0
