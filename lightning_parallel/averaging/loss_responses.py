@@ -14,6 +14,7 @@ one a step has shown healthy, so a round whose own point spikes at once is not g
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -57,9 +58,10 @@ class LossResponses(RoundExchange):
         self.spike = spike
         self._rollback_due = False
         self.rollbacks = 0
-        # the rounds started by the last roll-back: a rule firing again before the next one
-        # would go back to the same point, and does not (``observe_loss``)
-        self._rounds_at_rollback: int | None = None
+        # points to go back to kept so far, and that count at the last roll-back: a rule
+        # firing again before a new one is kept would go back to the same point, and does not
+        self._points_kept = 0
+        self._points_at_rollback: int | None = None
         self.rollbacks_declined = 0
         self.collapse = collapse
         self._collapsed_due: list[int] = []
@@ -128,16 +130,16 @@ class LossResponses(RoundExchange):
         if watching and self.spike is not None and self.spike.observe(mean):
             self.ledger.set_gauge("loss_spikes", self.spike.spikes)
             self.ledger.set_gauge("loss_regressions", self.spike.regressions)
-            if self._rounds_at_rollback == self.rounds:
-                # no round since the last roll-back: going back to the same point again would
-                # repeat it (vgg_mini: a spike every 6 steps, 9 to 36 roll-backs and no round
-                # between them), so training goes on through this one
+            if self._points_at_rollback == self._points_kept:
+                # no point kept since the last roll-back: going back to the same one again
+                # would repeat it (vgg_mini: a spike every 6 steps, 9 to 36 roll-backs and no
+                # round between them), so training goes on through this one
                 self.rollbacks_declined += 1
                 self.ledger.set_gauge("rollbacks_declined", self.rollbacks_declined)
             else:
                 self._rollback_due = True
             return
-        if watching:
+        if watching and math.isfinite(mean):
             self._verified = True  # a step from the newest agreed point fired no rule
             self._previous_agreements.clear()
         if self._holding and self.spike is not None and not self.spike.unsettled:
@@ -184,8 +186,8 @@ class LossResponses(RoundExchange):
     def _roll_back(self) -> None:
         """Every replica restarts from the last agreed point a step has shown healthy (the
         newest round's, else the one before it), optimizer state, averagers and the spike
-        rule's level restarted; the next round is ``period`` steps away. Until it has started,
-        the rules fire without rolling back again (:meth:`observe_loss`)."""
+        rule's level restarted; the next round is ``period`` steps away. Until a new point to
+        go back to is kept, the rules fire without rolling back again (:meth:`observe_loss`)."""
         self._rollback_due = False
         self._finish_rounds()
         self._due = []
@@ -214,7 +216,7 @@ class LossResponses(RoundExchange):
         self.schedule.phase_origin = self.schedule.optimizer_steps
         self._in_consensus = True
         self.rollbacks += 1
-        self._rounds_at_rollback = self.rounds
+        self._points_at_rollback = self._points_kept
         self.ledger.set_gauge("rollbacks", self.rollbacks)
 
     def _keep_safe_point(self) -> None:
@@ -246,6 +248,7 @@ class LossResponses(RoundExchange):
         self._safe_point = _copy_into(self._safe_point, self._model_tensors())
         self._verified = False
         self._holding = False
+        self._points_kept += 1
 
     def _agreement_replaced(self, index: int, before: Agreement | None) -> None:
         """Keep fragment ``index``'s agreed point from before its newest round until a step
@@ -254,11 +257,19 @@ class LossResponses(RoundExchange):
             return  # no roll-back: nothing to go back to (EASGD's replicas never agree)
         self._previous_agreements.setdefault(index, before)
         self._verified = False
+        self._points_kept += 1
+
+    def _forget_earlier_points(self) -> None:
+        """The replicas agree where local training (re)starts: nothing before it is gone back
+        to (after a synchronous window, the window's end)."""
+        self._verified = True
+        self._previous_agreements.clear()
 
     def _release_held_point(self) -> None:
         """The climb has settled without a roll-back: the point held inside it is safe."""
         self._safe_point, self._held_point = self._held_point, self._safe_point
         self._holding = False
+        self._points_kept += 1
 
     def _open_window(self) -> None:
         """Every replica takes the mean model and optimizer state; the next ``window_steps``
@@ -287,7 +298,8 @@ class LossResponses(RoundExchange):
                 **self.spike.state_dict(),
                 "rollback_due": self._rollback_due,
                 "rollbacks": self.rollbacks,
-                "rounds_at_rollback": self._rounds_at_rollback,
+                "points_kept": self._points_kept,
+                "points_at_rollback": self._points_at_rollback,
                 "rollbacks_declined": self.rollbacks_declined,
                 "verified": self._verified,
                 "previous_agreements": {
@@ -311,8 +323,9 @@ class LossResponses(RoundExchange):
             self.spike.load_state_dict(saved)
             self._rollback_due = bool(saved.get("rollback_due", False))
             self.rollbacks = int(saved.get("rollbacks", 0))
-            at = saved.get("rounds_at_rollback")
-            self._rounds_at_rollback = None if at is None else int(at)
+            self._points_kept = int(saved.get("points_kept", 0))
+            at = saved.get("points_at_rollback")
+            self._points_at_rollback = None if at is None else int(at)
             self.rollbacks_declined = int(saved.get("rollbacks_declined", 0))
             self._verified = bool(saved.get("verified", True))
             device = self._device()
@@ -344,8 +357,7 @@ class LossResponses(RoundExchange):
         if saved is not None:
             self._safe_point = [tensor.to(device) for tensor in saved]
         previous = state.get("previous_point")
-        if previous is not None:
-            self._previous_point = [tensor.to(device) for tensor in previous]
+        self._previous_point = None if previous is None else [t.to(device) for t in previous]
         held = state.get("held_point")
         self._holding = held is not None
         if held is not None:

@@ -118,10 +118,10 @@ class LossSpike:
        ends in a regression may be dead) and makes it that point only once the loss is
        settled again (the climb was transient and training went on from it);
     5. after a roll-back (:meth:`restart`) the first loss is the restart point's own: it is
-       no spike, and ``L`` restarts at it. Measured against the level from before, a point
-       that is itself bad spikes at once and is gone back to again: streaming DiLoCo on
-       ``vgg_mini`` (seed 1) rolled back 45 steps in a row to a validation round's point
-       (losses 3.1 to 5.8) and ended at 0.306.
+       no spike (with ``K = 1`` it can end a regression), and ``L`` restarts at it. Measured
+       against the level from before, a point that is itself bad spikes at once and is gone
+       back to again: streaming DiLoCo on ``vgg_mini`` (seed 1) rolled back 45 steps in a row
+       to a validation round's point (losses 3.1 to 5.8) and ended at 0.306.
 
     ``P`` and ``S`` differ once an armed loss climbs above where it started: ``P`` follows it
     (a later step up to that height is excused, as before the regression existed), ``S`` does

@@ -234,6 +234,7 @@ class ReplicaAveraging(LossResponses):
         if not self.averager.started and not self.schedule.in_warmup:
             self._start_averagers()
             self._keep_safe_point()  # the replicas agree when local training starts
+            self._forget_earlier_points()
         due, self._due = self._due, []
         for fragment in due:
             self._start_round(fragment, self.sync_delay)

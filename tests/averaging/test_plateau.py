@@ -478,6 +478,43 @@ def test_a_spike_after_an_evaluation_round_rolls_back_to_the_schedule_s_round(
         assert result["rolled_to"] == ["round"]
 
 
+def test_an_evaluation_round_is_no_new_point_for_a_second_roll_back() -> None:
+    # step 4's loss spikes and rolls back to the round after step 2; an evaluation's round
+    # after step 5 is not a point to go back to, so step 6's spike, before the schedule's next
+    # round, would go back to the same point and is declined
+    def run(rank: int, world: int) -> tuple[int, int]:
+        model, optimizer, engine = _watched_replicas(outer=True)
+        for step in range(8):
+            engine.synchronize()
+            if step == 6:
+                engine.prepare_evaluation(policy="round")
+                engine.restore_replica()
+            _observed_step(engine, model, optimizer, rank, step, 10.0 if step in (4, 6) else 2.0)
+        engine.synchronize()
+        return engine.rollbacks, engine.rollbacks_declined
+
+    assert run_distributed(run, 2) == [(1, 1), (1, 1)]
+
+
+def test_a_step_without_a_loss_does_not_show_a_point_healthy() -> None:
+    # the round after step 5 lands at step 6, which reports no loss (NaN); step 7's spike is
+    # then the first loss from that round, and goes back to the round after step 2
+    def run(rank: int, world: int) -> list[int]:
+        model, optimizer, engine = _watched_replicas()
+        points: dict[int, Tensor] = {}
+        losses = {6: math.nan, 7: 10.0}
+        for step in range(8):
+            engine.synchronize()
+            if step in (3, 6):
+                points[step] = _flat(model)
+            _observed_step(engine, model, optimizer, rank, step, losses.get(step, 2.0))
+        engine.synchronize()
+        rolled = _flat(model)
+        return [step for step, point in points.items() if torch.equal(rolled, point)]
+
+    assert run_distributed(run, 2) == [[3], [3]]
+
+
 def _observed_step(
     engine: ReplicaAveraging,
     model: nn.Module,
