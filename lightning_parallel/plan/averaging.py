@@ -29,7 +29,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning_parallel.plan.memory import EXTRA_PARAMETER_COPIES, peak_rss_mb
+from lightning_parallel.plan.memory import (
+    EXTRA_PARAMETER_COPIES,
+    PREVIOUS_POINT_COPIES,
+    peak_rss_mb,
+)
 from lightning_parallel.plan.network import (
     Cluster,
     Transfer,
@@ -197,6 +201,13 @@ def predict_averaging(
     within = min(1.0, step_rounds(run, period, fragments))
     mean = mean_of_steps([(local, 1.0 - within), (round_step, within)])
     copies = EXTRA_PARAMETER_COPIES.get(algorithm, EXTRA_PARAMETER_COPIES["periodic"])
+    if (
+        fragments == 1
+        and dtype == "fp32"
+        and mean_only
+        and options.get("before_validation") != "global"
+    ):
+        copies += PREVIOUS_POINT_COPIES.get(algorithm, 0.0)
     extra_bytes = copies * profile.parameter_bytes
     return Prediction(
         spec=spec,

@@ -9,6 +9,7 @@ import pytest
 
 from lightning_parallel.pipeline.profile import LayerCost
 from lightning_parallel.plan.averaging import round_counts
+from lightning_parallel.plan.memory import EXTRA_PARAMETER_COPIES, PREVIOUS_POINT_COPIES
 from lightning_parallel.plan.network import (
     Cluster,
     Link,
@@ -583,3 +584,22 @@ def test_hylo_sends_codes_where_the_profile_s_trial_put_the_factors_over_the_bud
     assert _one("hylo", over, _cluster(), rank=4).detail["over_budget_layers"] == []
     # a run without 2-bit codes keeps its factors, whatever their error
     assert _one("hylo", over, _cluster(), fc_bits=32).detail["over_budget_layers"] == []
+
+
+def test_averaging_counts_the_point_kept_before_a_round_where_it_is_kept() -> None:
+    # unfragmented full-precision rounds with the roll-back keep the point before a round;
+    # streaming rounds, EASGD and runs without the roll-back do not
+    profile, cluster = _profile(layers=False), _cluster()
+    parameters_mb = 4 * 512 * 512 * 4 / MB
+
+    def extra(spec: str, **options: object) -> float:
+        return (_one(spec, profile, cluster, **options).peak_rss_mb - 500.0) / parameters_mb
+
+    kept = PREVIOUS_POINT_COPIES["outer_optimizer"]
+    base = EXTRA_PARAMETER_COPIES["outer_optimizer"]
+    assert extra("diloco", algorithm="outer_optimizer") == pytest.approx(base + kept)
+    assert extra("diloco", algorithm="outer_optimizer", fragments=4) == pytest.approx(base)
+    assert extra("diloco", algorithm="outer_optimizer", rollback_on_spike=False) == pytest.approx(
+        base
+    )
+    assert extra("easgd", algorithm="easgd") == pytest.approx(EXTRA_PARAMETER_COPIES["easgd"])
