@@ -82,6 +82,11 @@ class RoundExchange(ReplicaState):
         """A round is about to replace fragment ``index``'s agreed point ``before`` (the loss
         rules keep it until a step has shown the new one healthy)."""
 
+    def _delayed_round_agreed(self, point: Sequence[Tensor]) -> None:
+        """An unfragmented exact round applied ``sync_delay`` steps late landed: ``point``
+        (parameters, then buffers) is what the replicas agreed on, though none of them holds
+        it now (each kept its steps taken meanwhile)."""
+
     def _fragment_tensors(self, fragment: Fragment) -> tuple[list[Tensor], int, int]:
         """The fragment's live round tensors (parameters, buffers, averaged optimizer state)."""
         parameters = trainable_parameters(self.module)
@@ -196,6 +201,13 @@ class RoundExchange(ReplicaState):
                 )
             moved = self.schedule.optimizer_steps > current.started_at
             land(live, current.snapshot, targets, moved, self.fragment_update_alpha)
+            if (
+                moved
+                and len(self.fragments) == 1
+                and not self._keep_agreement
+                and averager.restarts_in_consensus
+            ):
+                self._delayed_round_agreed(targets[: count + current.num_buffers])
             if self._keep_agreement:
                 agreed = targets if averager.restarts_in_consensus else mean
                 buffers = mean[count : count + current.num_buffers]

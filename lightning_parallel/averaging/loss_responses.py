@@ -15,6 +15,7 @@ one a step has shown healthy, so a round whose own point spikes at once is not g
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -127,13 +128,19 @@ class LossResponses(RoundExchange):
         watching = (
             self.spike is not None and self.averager.restarts_in_consensus and self.averager.started
         )
+        regressions = self.spike.regressions if self.spike is not None else 0
         if watching and self.spike is not None and self.spike.observe(mean):
             self.ledger.set_gauge("loss_spikes", self.spike.spikes)
             self.ledger.set_gauge("loss_regressions", self.spike.regressions)
-            if self._points_at_rollback == self._points_kept:
+            regression = self.spike.regressions > regressions
+            if self._points_at_rollback == self._points_kept and not regression:
                 # no point kept since the last roll-back: going back to the same one again
                 # would repeat it (vgg_mini: a spike every 6 steps, 9 to 36 roll-backs and no
-                # round between them), so training goes on through this one
+                # round between them), so training goes on through this one. A regression
+                # is not declined: it fires again only once the loss has fallen well below
+                # the start again (LossSpike, 3.), so it cannot loop, and a network dead at
+                # the start's loss does not come back by itself (diloco on vgg_mini, seed 3:
+                # 25 steps at 2.30 after a declined regression, 0.581)
                 self.rollbacks_declined += 1
                 self.ledger.set_gauge("rollbacks_declined", self.rollbacks_declined)
             else:
@@ -187,7 +194,7 @@ class LossResponses(RoundExchange):
         """Every replica restarts from the last agreed point a step has shown healthy (the
         newest round's, else the one before it), optimizer state, averagers and the spike
         rule's level restarted; the next round is ``period`` steps away. Until a new point to
-        go back to is kept, the rules fire without rolling back again (:meth:`observe_loss`)."""
+        go back to is kept, a spike fires without rolling back again (:meth:`observe_loss`)."""
         self._rollback_due = False
         self._finish_rounds()
         self._due = []
@@ -219,9 +226,15 @@ class LossResponses(RoundExchange):
         self._points_at_rollback = self._points_kept
         self.ledger.set_gauge("rollbacks", self.rollbacks)
 
-    def _keep_safe_point(self) -> None:
-        """Remember the live model as the point to roll back to (replicas in consensus, the
-        loss not climbing back towards where training started).
+    def _keep_safe_point(self, point: Sequence[Tensor] | None = None) -> None:
+        """Remember the live model (replicas in consensus), or the agreed ``point`` of a round
+        that landed late, as the point to roll back to, the loss not climbing back towards
+        where training started.
+
+        A round applied ``sync_delay`` steps after it started (``overlap=True``) leaves no
+        replica at the agreed point: each keeps its steps taken meanwhile, so the point kept
+        is the round's result itself (:meth:`_delayed_round_agreed`); without it, the point
+        to roll back to stayed where local training had started.
 
         A round inside a climb (the loss :attr:`~LossSpike.unsettled`) is held apart: a climb
         that ends in a regression rolls back to the point from before it (a point inside may
@@ -239,16 +252,21 @@ class LossResponses(RoundExchange):
         """
         if self.spike is None or self._keep_agreement or len(self.fragments) > 1:
             return
+        tensors = self._model_tensors() if point is None else list(point)
         if self.spike.unsettled and self._safe_point is not None:
-            self._held_point = _copy_into(self._held_point, self._model_tensors())
+            self._held_point = _copy_into(self._held_point, tensors)
             self._holding = True
             return
         if self._verified:  # the point kept so far waits behind the new one until it is shown
             self._previous_point, self._safe_point = self._safe_point, self._previous_point
-        self._safe_point = _copy_into(self._safe_point, self._model_tensors())
+        self._safe_point = _copy_into(self._safe_point, tensors)
         self._verified = False
         self._holding = False
         self._points_kept += 1
+
+    def _delayed_round_agreed(self, point: Sequence[Tensor]) -> None:
+        """A round applied late landed: its agreed point is the one to roll back to."""
+        self._keep_safe_point(point)
 
     def _agreement_replaced(self, index: int, before: Agreement | None) -> None:
         """Keep fragment ``index``'s agreed point from before its newest round until a step
