@@ -83,9 +83,9 @@ class RoundExchange(ReplicaState):
         rules keep it until a step has shown the new one healthy)."""
 
     def _delayed_round_agreed(self, point: Sequence[Tensor]) -> None:
-        """An unfragmented exact round applied ``sync_delay`` steps late landed: ``point``
-        (parameters, then buffers) is what the replicas agreed on, though none of them holds
-        it now (each kept its steps taken meanwhile)."""
+        """An unfragmented exact round started with a delay landed: ``point`` (parameters,
+        then buffers) is what the replicas agreed on, though none of them holds it if steps
+        were taken meanwhile (each keeps its own)."""
 
     def _fragment_tensors(self, fragment: Fragment) -> tuple[list[Tensor], int, int]:
         """The fragment's live round tensors (parameters, buffers, averaged optimizer state)."""
@@ -202,7 +202,7 @@ class RoundExchange(ReplicaState):
             moved = self.schedule.optimizer_steps > current.started_at
             land(live, current.snapshot, targets, moved, self.fragment_update_alpha)
             if (
-                moved
+                current.apply_at > current.started_at  # delayed: synchronize does not keep it
                 and len(self.fragments) == 1
                 and not self._keep_agreement
                 and averager.restarts_in_consensus

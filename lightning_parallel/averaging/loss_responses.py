@@ -63,6 +63,7 @@ class LossResponses(RoundExchange):
         # firing again before a new one is kept would go back to the same point, and does not
         self._points_kept = 0
         self._points_at_rollback: int | None = None
+        self._rollbacks_to_point = 0  # roll-backs since that count last changed
         self.rollbacks_declined = 0
         self.collapse = collapse
         self._collapsed_due: list[int] = []
@@ -133,14 +134,16 @@ class LossResponses(RoundExchange):
             self.ledger.set_gauge("loss_spikes", self.spike.spikes)
             self.ledger.set_gauge("loss_regressions", self.spike.regressions)
             regression = self.spike.regressions > regressions
-            if self._points_at_rollback == self._points_kept and not regression:
+            same_point = self._points_at_rollback == self._points_kept
+            if same_point and (not regression or self._rollbacks_to_point >= 2):
                 # no point kept since the last roll-back: going back to the same one again
                 # would repeat it (vgg_mini: a spike every 6 steps, 9 to 36 roll-backs and no
                 # round between them), so training goes on through this one. A regression
-                # is not declined: it fires again only once the loss has fallen well below
-                # the start again (LossSpike, 3.), so it cannot loop, and a network dead at
-                # the start's loss does not come back by itself (diloco on vgg_mini, seed 3:
-                # 25 steps at 2.30 after a declined regression, 0.581)
+                # gets a second roll-back to the point: a network dead at the start's loss
+                # does not come back by itself (diloco on vgg_mini, seed 3: 25 steps at 2.30
+                # after a declined regression, 0.581; 0.856 with the second roll-back), but
+                # not a third (the rule re-arms at the first healthy loss from the point, so
+                # a point whose run dies every time would be gone back to without end)
                 self.rollbacks_declined += 1
                 self.ledger.set_gauge("rollbacks_declined", self.rollbacks_declined)
             else:
@@ -194,7 +197,8 @@ class LossResponses(RoundExchange):
         """Every replica restarts from the last agreed point a step has shown healthy (the
         newest round's, else the one before it), optimizer state, averagers and the spike
         rule's level restarted; the next round is ``period`` steps away. Until a new point to
-        go back to is kept, a spike fires without rolling back again (:meth:`observe_loss`)."""
+        go back to is kept, a spike fires without rolling back again, and a regression rolls
+        back once more at most (:meth:`observe_loss`)."""
         self._rollback_due = False
         self._finish_rounds()
         self._due = []
@@ -223,6 +227,8 @@ class LossResponses(RoundExchange):
         self.schedule.phase_origin = self.schedule.optimizer_steps
         self._in_consensus = True
         self.rollbacks += 1
+        same_point = self._points_at_rollback == self._points_kept
+        self._rollbacks_to_point = self._rollbacks_to_point + 1 if same_point else 1
         self._points_at_rollback = self._points_kept
         self.ledger.set_gauge("rollbacks", self.rollbacks)
 
@@ -318,6 +324,7 @@ class LossResponses(RoundExchange):
                 "rollbacks": self.rollbacks,
                 "points_kept": self._points_kept,
                 "points_at_rollback": self._points_at_rollback,
+                "rollbacks_to_point": self._rollbacks_to_point,
                 "rollbacks_declined": self.rollbacks_declined,
                 "verified": self._verified,
                 "previous_agreements": {
@@ -344,6 +351,7 @@ class LossResponses(RoundExchange):
             self._points_kept = int(saved.get("points_kept", 0))
             at = saved.get("points_at_rollback")
             self._points_at_rollback = None if at is None else int(at)
+            self._rollbacks_to_point = int(saved.get("rollbacks_to_point", 0 if at is None else 1))
             self.rollbacks_declined = int(saved.get("rollbacks_declined", 0))
             self._verified = bool(saved.get("verified", True))
             device = self._device()

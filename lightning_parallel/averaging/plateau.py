@@ -170,9 +170,10 @@ class LossSpike:
         armed_drop: ``δ`` in ``(0, 1)``: how far below the starting level the smoothed loss
             must have fallen before a climb back can count (larger: fewer regressions; it must
             exceed the plateau's noise, a few tenths of a percent on ``vgg_mini``).
-        band: ``β`` in ``[0, 1)``: how far below the regression's mark both losses may be and
+        band: ``β`` in ``[0, δ)``: how far below the regression's mark both losses may be and
             still count as back there (the plateau's noise: a batch of 64 on ten classes moves
-            the mean loss by about 1%).
+            the mean loss by about 1%); less than ``armed_drop``, or a loss that has just armed
+            the rule would already count as back.
     """
 
     def __init__(
@@ -201,8 +202,11 @@ class LossSpike:
             raise ValueError(
                 f"armed_drop must be in (0, 1) (a relative fall of the loss), got {armed_drop!r}"
             )
-        if isinstance(band, bool) or not 0.0 <= float(band) < 1.0:
-            raise ValueError(f"band must be in [0, 1) (a relative tolerance), got {band!r}")
+        if isinstance(band, bool) or not 0.0 <= float(band) < float(armed_drop):
+            raise ValueError(
+                f"band must be in [0, armed_drop) (a relative tolerance under the starting "
+                f"level, less than the fall that arms the rule), got {band!r}"
+            )
         self.ratio = float(ratio)
         self.band = float(band)
         self.smoothing = float(smoothing)
@@ -214,7 +218,7 @@ class LossSpike:
         self.start: float | None = None  # S: the highest while not armed (the regression)
         self.lowest: float | None = None
         self.armed = False  # the smoothed loss has fallen armed_drop below the start
-        self.back = 0  # steps in a row with the smoothed loss back at the mark
+        self.back = 0  # steps in a row with both losses back at the mark (less the band)
         self.rebase = False  # the next loss is a restart point's: the level restarts there
         self.spikes = 0
         self.regressions = 0

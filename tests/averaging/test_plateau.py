@@ -448,6 +448,8 @@ def test_the_spike_rule_refuses_a_ratio_of_one_or_less() -> None:
         LossSpike(patience=0)
     with pytest.raises(ValueError, match="band"):
         LossSpike(band=1.0)
+    with pytest.raises(ValueError, match="band"):  # at the arming fall: armed means back
+        LossSpike(band=0.15, armed_drop=0.15)
 
 
 def test_a_spike_rolls_every_replica_back_to_the_last_agreed_point() -> None:
@@ -624,27 +626,59 @@ def test_a_round_applied_late_is_the_point_rolled_back_to(outer: bool) -> None:
     # overlap=True: the rounds started after steps 2 and 5 land a step later, each replica
     # keeping that step; no replica ever holds the agreed point, which must still be kept:
     # step 8's spike goes back to the round started after step 5 (its result, shown healthy
-    # by step 7's loss), not to where local training started
+    # by step 7's loss), not to where local training started nor to the round before
     def run(rank: int, world: int) -> dict[str, object]:
         model, optimizer, engine = _watched_replicas(outer=outer, overlap=True)
         start = _flat(model)
+        kept: dict[int, Tensor] = {}
+        for step in range(9):
+            engine.synchronize()
+            if engine._safe_point is not None:  # the point kept once this boundary's round landed
+                kept[step] = torch.cat([t.reshape(-1).clone() for t in engine._safe_point])
+            _observed_step(engine, model, optimizer, rank, step, 10.0 if step == 8 else 2.0)
+        engine.synchronize()
+        return {"rollbacks": engine.rollbacks, "rolled": _flat(model), "start": start,
+                "kept": kept}  # fmt: skip
+
+    results = run_distributed(run, 2)
+    for result in results:
+        assert result["rollbacks"] == 1
+        kept = result["kept"]
+        assert torch.equal(kept[0], result["start"])  # local training starts in agreement
+        assert not torch.equal(kept[4], kept[0])  # the round after step 2 landed at 4
+        assert not torch.equal(kept[7], kept[4])  # the round after step 5 landed at 7
+        assert torch.equal(result["rolled"], kept[7])
+    # the point rolled back to is the agreed one: identical on both replicas
+    assert torch.equal(results[0]["rolled"], results[1]["rolled"])
+
+
+def test_a_late_round_s_point_holds_buffers_and_leaves_averaged_optimizer_state_out() -> None:
+    # the recorded point is the round's parameters then its buffers (BatchNorm's statistics),
+    # not the averaged optimizer state that follows them in the round
+    def run(rank: int, world: int) -> tuple[int, int, bool]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3), nn.Linear(3, 2))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        engine = ReplicaAveraging(
+            model, [optimizer], PeriodicAverager(), AveragingSchedule(3),
+            build_reduction("flat"), ledger=CommLedger(), spike=LossSpike(ratio=2.0),
+            overlap=True, optimizer_state="average",
+        )  # fmt: skip
+        engine.broadcast_replicas()
         for step in range(9):
             engine.synchronize()
             _observed_step(engine, model, optimizer, rank, step, 10.0 if step == 8 else 2.0)
         engine.synchronize()
         assert engine._safe_point is not None
-        return {
-            "rollbacks": engine.rollbacks,
-            "rolled": _flat(model),
-            "start": start,
-        }
+        running = model[1].running_mean
+        return (
+            engine.rollbacks,
+            len(engine._safe_point),
+            any(torch.equal(running, t) for t in engine._safe_point),
+        )
 
-    results = run_distributed(run, 2)
-    for result in results:
-        assert result["rollbacks"] == 1
-        assert not torch.equal(result["rolled"], result["start"])
-    # the point rolled back to is the agreed one: identical on both replicas
-    assert torch.equal(results[0]["rolled"], results[1]["rolled"])
+    # six parameters, then the running mean and variance (not the six momentum buffers)
+    assert run_distributed(run, 2) == [(1, 8, True), (1, 8, True)]
 
 
 def test_a_regression_after_a_roll_back_is_not_declined() -> None:
@@ -669,6 +703,30 @@ def test_a_regression_after_a_roll_back_is_not_declined() -> None:
         )
 
     assert run_distributed(run, 2) == [(2, 0, 1, 1), (2, 0, 1, 1)]
+
+
+def test_a_third_roll_back_to_one_point_is_declined_for_a_regression_too() -> None:
+    # the point gone back to is healthy (its first loss 1.0), and the network dies from it
+    # every time (2.3 after that): the rule re-arms at that first loss, so each death is a
+    # regression; the spike went back to the point once, the first regression goes back a
+    # second time, the next is declined (no end to it otherwise)
+    def run(rank: int, world: int) -> tuple[int, int, int]:
+        model, optimizer, engine = _watched_replicas(outer=True)
+        since = 0
+        for step in range(60):
+            before = engine.rollbacks
+            engine.synchronize()
+            since = 0 if engine.rollbacks > before else since + 1
+            if step < 8:
+                loss = [2.3, 2.3, 1.0, 1.0, 1.0, 1.0, 1.0, 10.0][step]
+            else:
+                loss = 1.0 if since == 0 else 2.3
+            _observed_step(engine, model, optimizer, rank, step, loss)
+        engine.synchronize()
+        assert engine.spike is not None
+        return engine.rollbacks, engine.rollbacks_declined, engine.spike.regressions
+
+    assert run_distributed(run, 2) == [(2, 1, 2), (2, 1, 2)]
 
 
 def test_no_second_roll_back_before_a_round_has_come() -> None:
