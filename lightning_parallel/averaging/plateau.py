@@ -171,9 +171,9 @@ class LossSpike:
             must have fallen before a climb back can count (larger: fewer regressions; it must
             exceed the plateau's noise, a few tenths of a percent on ``vgg_mini``).
         band: ``β`` in ``[0, δ)``: how far below the regression's mark both losses may be and
-            still count as back there (the plateau's noise: a batch of 64 on ten classes moves
-            the mean loss by about 1%); less than ``armed_drop``, or a loss that has just armed
-            the rule would already count as back.
+            still count as back there (above the plateau's noise: on ``vgg_mini``, seed 4, the
+            mean loss of its first 23 steps lay within 2.292-2.305, 0.6%); less than
+            ``armed_drop``, or a loss that has just armed the rule would already count as back.
     """
 
     def __init__(
