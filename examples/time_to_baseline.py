@@ -9,8 +9,10 @@ time is the training wall time at its first validation that reached it (its last
 latest). Each spec's time is read the same way from its validations (``val_history``: training
 wall time, step, accuracy, loss), so both stand on the validation points the bench recorded.
 Prints one Markdown row per spec: for each seed the seconds to the target with the ratio to the
-baseline's (``never`` if the spec did not reach it), the largest ratio, and the wire bytes per
-step against the baseline's (the kernel's counters; the reported bytes where there are none).
+baseline's (``never`` if the spec did not reach it, with the best accuracy it did reach and
+when, so that a run one validation sample short reads as such), the largest ratio, and the wire
+bytes per step against the baseline's (the kernel's counters; the reported bytes where there are
+none).
 """
 
 from __future__ import annotations
@@ -28,6 +30,16 @@ def time_to(run: dict[str, Any], target: float) -> float | None:
         if accuracy >= target:
             return float(seconds)
     return None
+
+
+def best(run: dict[str, Any]) -> tuple[float, float] | None:
+    """The highest validation accuracy and the training wall time it was first reached at."""
+    history = run.get("val_history") or []
+    points = [(float(accuracy), float(seconds)) for seconds, _step, accuracy, *_ in history]
+    if not points:
+        return None
+    top = max(accuracy for accuracy, _ in points)
+    return top, min(seconds for accuracy, seconds in points if accuracy == top)
 
 
 def _bytes_per_step(run: dict[str, Any]) -> float | None:
@@ -57,7 +69,11 @@ def table(documents: Sequence[dict[str, Any]], baseline: str) -> list[str]:
             target = float(base["val_acc"])
             base_s, seconds = time_to(base, target), time_to(run, target)
             if seconds is None or not base_s:
-                cells.append(f"never (to {target:.3f})")
+                short, reached = "", best(run)
+                if reached is not None and base_s:
+                    accuracy, at = reached
+                    short = f"; best {accuracy:.3f} at {at:.1f} s, {at / base_s:.2f}x"
+                cells.append(f"never (to {target:.3f}{short})")
                 ratios.append(float("inf"))
                 continue
             ratios.append(seconds / base_s)

@@ -187,7 +187,8 @@ def test_time_to_baseline_reads_each_seeds_target_from_the_baselines_final_accur
     stdout = _example(tmp_path, "time_to_baseline.py", *files, "--baseline", "ddp")
     # seed 0: ddp reached its final 0.9 at 200 s (not 300 s); avg at 20 s
     assert (
-        "| `avg` | 20.0 s (0.10x, to 0.900) | never (to 0.800) | never | 0.250x–0.500x |" in stdout
+        "| `avg` | 20.0 s (0.10x, to 0.900) | never (to 0.800; best 0.750 at 20.0 s, 0.10x) "
+        "| never | 0.250x–0.500x |" in stdout
     )
     assert "| `ddp` | 200.0 s (1.00x, to 0.900) | 200.0 s (1.00x, to 0.800) | 1.00x |" in stdout
 
