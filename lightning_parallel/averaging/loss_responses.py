@@ -31,6 +31,11 @@ from lightning_parallel.averaging.rounds import Agreement
 
 __all__: list[str] = []
 
+#: Roll-backs a regression may take to one point (a spike takes one): the second brings back a
+#: network that died at the start's loss; a third would loop, as the rule re-arms at the first
+#: healthy loss from the point.
+REGRESSION_ROLLBACKS_TO_A_POINT = 2
+
 
 class LossResponses(RoundExchange):
     """Watch the mean training loss and answer its plateau exit and its spikes.
@@ -94,6 +99,11 @@ class LossResponses(RoundExchange):
             self._open_window()
 
     @property
+    def _no_point_since_rollback(self) -> bool:
+        """Whether a roll-back would go back to the point the last one went to."""
+        return self._points_at_rollback == self._points_kept
+
+    @property
     def observes_loss(self) -> bool:
         """Whether the caller must pass this step's loss to :meth:`observe_loss`: a local step
         (rounds during training, several replicas) with a plateau rule that has not fired or a
@@ -134,8 +144,8 @@ class LossResponses(RoundExchange):
             self.ledger.set_gauge("loss_spikes", self.spike.spikes)
             self.ledger.set_gauge("loss_regressions", self.spike.regressions)
             regression = self.spike.regressions > regressions
-            same_point = self._points_at_rollback == self._points_kept
-            if same_point and (not regression or self._rollbacks_to_point >= 2):
+            limit = REGRESSION_ROLLBACKS_TO_A_POINT if regression else 1
+            if self._no_point_since_rollback and self._rollbacks_to_point >= limit:
                 # no point kept since the last roll-back: going back to the same one again
                 # would repeat it (vgg_mini: a spike every 6 steps, 9 to 36 roll-backs and no
                 # round between them), so training goes on through this one. A regression
@@ -227,8 +237,9 @@ class LossResponses(RoundExchange):
         self.schedule.phase_origin = self.schedule.optimizer_steps
         self._in_consensus = True
         self.rollbacks += 1
-        same_point = self._points_at_rollback == self._points_kept
-        self._rollbacks_to_point = self._rollbacks_to_point + 1 if same_point else 1
+        self._rollbacks_to_point = (
+            self._rollbacks_to_point + 1 if self._no_point_since_rollback else 1
+        )
         self._points_at_rollback = self._points_kept
         self.ledger.set_gauge("rollbacks", self.rollbacks)
 
