@@ -1,6 +1,7 @@
 """Lightning strategies of this package; importing this package registers their names."""
 
 from lightning_parallel.compat import register_strategy, registered_names
+from lightning_parallel.strategies import averaging_presets  # noqa: F401  (registers the names)
 from lightning_parallel.strategies.ddp_hooks import HookedDDPStrategy, PowerSGDDDPStrategy
 from lightning_parallel.strategies.gropipe import GroPipeStrategy
 from lightning_parallel.strategies.hylo import HyloStrategy

@@ -28,6 +28,7 @@ from lightning_parallel.averaging import (
 from lightning_parallel.averaging.outer_optimizer import (
     DILOCO_OUTER_LR,
     DILOCO_OUTER_MOMENTUM,
+    OUTER_STEP_CAP,
     OuterOptimizerFactory,
 )
 from lightning_parallel.strategies.arguments import optional_bool, optional_float
@@ -39,7 +40,13 @@ _ALIASES = {"local_sgd": "periodic", "model_averaging": "periodic", "diloco": "o
 _HYPERPARAMETERS = {
     "bmuf": ("block_momentum", "block_learning_rate", "nesterov"),
     "easgd": ("alpha", "beta", "center_first"),
-    "outer_optimizer": ("outer_optimizer", "outer_lr", "outer_momentum", "outer_nesterov"),
+    "outer_optimizer": (
+        "outer_optimizer",
+        "outer_lr",
+        "outer_momentum",
+        "outer_nesterov",
+        "outer_step_cap",
+    ),
 }
 _OWNERS = {key: owner for owner, keys in _HYPERPARAMETERS.items() for key in keys}
 _FLAGS = frozenset({"nesterov", "center_first", "outer_nesterov"})
@@ -52,7 +59,7 @@ def averager_factory(
     as the ``spawn`` launcher pickles the strategy, when the algorithm's arguments are).
 
     ``hyperparameters`` are the strategy's keywords from ``block_momentum`` to
-    ``outer_nesterov`` as it received them (``None``: unset, the algorithm's default); a
+    ``outer_step_cap`` as it received them (``None``: unset, the algorithm's default); a
     function building one with a wrong value is refused here, before any process starts.
     """
     given = {
@@ -91,7 +98,9 @@ def averager_factory(
         given.get("outer_momentum"),
         given.get("outer_nesterov"),
     )
-    return name, functools.partial(OuterOptimizerAverager, factory)
+    step_cap = given.get("outer_step_cap", OUTER_STEP_CAP)
+    OuterOptimizerAverager(factory, step_cap=step_cap)  # a cap <= 0 fails here
+    return name, functools.partial(OuterOptimizerAverager, factory, step_cap=step_cap)
 
 
 def _given(averager: Averager) -> Averager:

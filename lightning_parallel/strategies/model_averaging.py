@@ -38,7 +38,8 @@ What it guarantees, where Lightning's ``model_averaging_period`` and torch's
 6. each round sets the gauges ``rounds``, ``divergence`` (``‖x_i − x̄‖`` before averaging),
    ``bytes_per_round``, ``peak_round_bytes`` and ``round_wait_s`` in the process ledger, which
    ``CommStats`` logs (and ``loss_spikes``, ``loss_regressions``, ``rollbacks``,
-   ``synchronous_window_at`` when the loss rules act);
+   ``synchronous_window_at`` when the loss rules act, ``outer_steps_capped`` when the outer
+   step cap shortens a step);
 7. a lost replica (killed, frozen, cut off; not rank 0) ends the run on every rank with an
    error naming it (``worker_loss="stop"``, the default), or is dropped
    (``worker_loss="continue"``): every collective is agreed by the survivors through the
@@ -49,9 +50,9 @@ What it guarantees, where Lightning's ``model_averaging_period`` and torch's
 Registered names: ``model_averaging`` and ``local_sgd`` (periodic, ``period=8``), ``bmuf``
 (Nesterov block momentum 0.5 with block learning rate 0.5, ``period=8``), ``easgd``
 (``beta=0.9``, center first, ``period=6``), ``diloco`` (outer Nesterov SGD lr 0.7 momentum
-0.5, ``period=16``). Their defaults keep the step of the inner optimizer (tuned as for DDP)
-rather than multiply it; docs/model_averaging.md ("Defaults") gives the measurements and the
-papers' own values.
+0.5, ``period=16``, each outer step capped at the workers' own: ``outer_step_cap=1``). Their
+defaults keep the step of the inner optimizer (tuned as for DDP) rather than multiply it;
+docs/model_averaging.md ("Defaults") gives the measurements and the papers' own values.
 
 Example::
 
@@ -83,17 +84,12 @@ from lightning_parallel.averaging import (
     build_reduction,
 )
 from lightning_parallel.averaging.closures import averaging_gradients_after, observing_loss_after
-from lightning_parallel.averaging.outer_optimizer import (
-    DILOCO_OUTER_LR,
-    DILOCO_OUTER_MOMENTUM,
-    OuterOptimizerFactory,
-)
+from lightning_parallel.averaging.outer_optimizer import OuterOptimizerFactory
 from lightning_parallel.averaging.quantize import BlockQuantizer
 from lightning_parallel.averaging.quantized_gather import ROUNDS_LANE, QuantizedAllGather
 from lightning_parallel.averaging.survivor_reduction import SurvivorAllReduce, rounds_lane
 from lightning_parallel.comm.modules import broadcast_module_states, optimizers_to_device
 from lightning_parallel.comm.tree import ranks_per_host_from_environment
-from lightning_parallel.compat import register_strategy
 from lightning_parallel.compat.private import layer_sync
 from lightning_parallel.compat.types import StrPath
 from lightning_parallel.strategies.averaging_algorithms import averager_factory
@@ -231,6 +227,10 @@ class ModelAveragingStrategy(AveragingCheckpoints):
             DiLoCo's 0.9 multiplies the step by up to ``outer_lr / (1 − 0.9) = 7``, see
             :func:`~lightning_parallel.averaging.diloco_outer_optimizer`).
         outer_nesterov: Nesterov outer momentum for SGD (default ``True``).
+        outer_step_cap: the longest outer step, as a multiple of the round's pseudo-gradient
+            norm (default 1.0: the global model moves no further than the workers' mean did;
+            ``float("inf")`` for the outer optimizer's step as the papers take it; see
+            :class:`~lightning_parallel.averaging.OuterOptimizerAverager`).
         start_method: ``"popen"`` (default; also what externally launched processes need),
             ``"spawn"``, ``"fork"`` or ``"forkserver"``.
         timeout: a ``timedelta`` for every collective, the averaging rounds' included (a dead
@@ -281,6 +281,7 @@ class ModelAveragingStrategy(AveragingCheckpoints):
         outer_lr: float | None = None,
         outer_momentum: float | None = None,
         outer_nesterov: bool | None = None,
+        outer_step_cap: float | None = None,
         timeout: timedelta | None = DEFAULT_TIMEOUT,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         **kwargs: Any,
@@ -302,6 +303,7 @@ class ModelAveragingStrategy(AveragingCheckpoints):
             outer_lr=outer_lr,
             outer_momentum=outer_momentum,
             outer_nesterov=outer_nesterov,
+            outer_step_cap=outer_step_cap,
         )
         self._make_averager()  # bad hyperparameters fail here, not in the worker processes
         self.period, self.warmup_steps = schedule_arguments(self.algorithm, period, warmup_steps)
@@ -458,49 +460,3 @@ class ModelAveragingStrategy(AveragingCheckpoints):
         super().on_train_end()
         if self.averaging is not None:
             self.averaging.finish()
-
-
-# ---------------------------------------------------------------------- arguments
-
-
-register_strategy(
-    "model_averaging",
-    ModelAveragingStrategy,
-    "model averaging (local SGD): replicas averaged every `period` optimizer steps",
-    algorithm="periodic",
-    period=8,
-)
-register_strategy(
-    "local_sgd",
-    ModelAveragingStrategy,
-    "local SGD: replicas averaged every `period` optimizer steps (= model_averaging)",
-    algorithm="periodic",
-    period=8,
-)
-register_strategy(
-    "bmuf",
-    ModelAveragingStrategy,
-    "BMUF: Nesterov block momentum 0.5, block learning rate 0.5, every `period` steps",
-    algorithm="bmuf",
-    period=8,
-)
-register_strategy(
-    "easgd",
-    ModelAveragingStrategy,
-    "synchronous EASGD: replicas and a center variable pull on each other every `period` steps",
-    algorithm="easgd",
-    period=6,
-    beta=0.9,
-    center_first=True,
-)
-register_strategy(
-    "diloco",
-    ModelAveragingStrategy,
-    "DiLoCo: outer Nesterov SGD (lr 0.7, momentum 0.5) on the pseudo-gradient every `period` steps",
-    algorithm="outer_optimizer",
-    period=16,
-    outer_optimizer="sgd",
-    outer_lr=DILOCO_OUTER_LR,
-    outer_momentum=DILOCO_OUTER_MOMENTUM,
-    outer_nesterov=True,
-)

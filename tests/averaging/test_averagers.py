@@ -155,6 +155,66 @@ def test_diloco_outer_step_closed_form() -> None:
     assert torch.allclose(restart, torch.full((3,), 0.7 * 1.9))
 
 
+def test_capped_outer_step_is_no_longer_than_the_workers_mean_moved() -> None:
+    # Nesterov SGD lr 0.7, μ 0.9 moves 0.7·1.9 = 1.33 times the pseudo-gradient in the first
+    # round; at cap 1 the global model lands on the mean itself (the direction is the same)
+    capped = OuterOptimizerAverager(diloco_outer_optimizer(lr=0.7, momentum=0.9), step_cap=1.0)
+    capped.reset([torch.zeros(3)], world_size=2)
+    restart = capped.update([torch.zeros(3)], [torch.ones(3)])[0]
+    torch.testing.assert_close(restart, torch.ones(3))
+    assert capped.capped_rounds == 1
+    # at cap 1.2 the step is 1.2·‖g‖
+    looser = OuterOptimizerAverager(diloco_outer_optimizer(lr=0.7, momentum=0.9), step_cap=1.2)
+    looser.reset([torch.zeros(3)], world_size=2)
+    torch.testing.assert_close(
+        looser.update([torch.zeros(3)], [torch.ones(3)])[0], torch.full((3,), 1.2)
+    )
+
+
+def test_the_cap_keeps_the_direction_and_leaves_the_momentum_as_it_was() -> None:
+    # the second round's pseudo-gradient turns 90 degrees: the momentum bends the step, and
+    # the capped step has the uncapped one's direction at the length of the pseudo-gradient
+    rounds = [torch.tensor([1.0, 0.0]), torch.tensor([0.0, 1.0])]
+    free = OuterOptimizerAverager(diloco_outer_optimizer(lr=0.7, momentum=0.5))
+    capped = OuterOptimizerAverager(diloco_outer_optimizer(lr=0.7, momentum=0.5), step_cap=1.0)
+    for averager in (free, capped):
+        averager.reset([torch.zeros(2)], world_size=2)
+    free_start = capped_start = torch.zeros(2)
+    for progress in rounds:
+        free_end = free.update([free_start], [free_start + progress])[0]
+        capped_end = capped.update([capped_start], [capped_start + progress])[0]
+        free_step, capped_step = free_end - free_start, capped_end - capped_start
+        assert float(capped_step.norm()) == pytest.approx(float(progress.norm()))
+        cosine = torch.dot(free_step, capped_step) / (free_step.norm() * capped_step.norm())
+        assert float(cosine) == pytest.approx(1.0)
+        free_start, capped_start = free_end, capped_end
+    assert capped.capped_rounds == 2
+    free_buffer = free.optimizer.state[free.global_model[0]]["momentum_buffer"]
+    capped_buffer = capped.optimizer.state[capped.global_model[0]]["momentum_buffer"]
+    assert torch.equal(free_buffer, capped_buffer)  # both the pseudo-gradients' sum, as torch's
+
+
+def test_a_cap_that_does_not_bind_changes_nothing() -> None:
+    # plain averaging (lr 1) moves exactly the cap; Lookahead less: neither is touched
+    periodic = _replica_rounds(PeriodicAverager())
+    at_cap = OuterOptimizerAverager(lambda p: torch.optim.SGD(p, lr=1.0), step_cap=1.0)
+    for round_a, round_b in zip(periodic, _replica_rounds(at_cap), strict=True):
+        for a, b in zip(round_a, round_b, strict=True):
+            assert torch.equal(a, b)
+    assert at_cap.capped_rounds == 0
+    free = _replica_rounds(OuterOptimizerAverager(lookahead_outer_optimizer(alpha=0.5)))
+    capped = _replica_rounds(
+        OuterOptimizerAverager(lookahead_outer_optimizer(alpha=0.5), step_cap=1.0)
+    )
+    _assert_histories_close(free, capped)
+
+
+@pytest.mark.parametrize("cap", [0.0, -1.0, True])
+def test_a_cap_that_is_not_positive_is_refused(cap: float) -> None:
+    with pytest.raises(ValueError, match="step_cap must be a positive number"):
+        OuterOptimizerAverager(diloco_outer_optimizer(), step_cap=cap)
+
+
 def test_lookahead_moves_alpha_of_the_way() -> None:
     outer = OuterOptimizerAverager(lookahead_outer_optimizer(alpha=0.25))
     outer.reset([torch.zeros(2)], world_size=1)
@@ -247,9 +307,11 @@ STATEFUL = [
     lambda: OuterOptimizerAverager(diloco_outer_optimizer()),
     lambda: OuterOptimizerAverager(lambda p: torch.optim.Adam(p, lr=0.1)),
 ]
+# the cap adds no state, but a resumed run must cap its steps as the uninterrupted one did
+CAPPED = [lambda: OuterOptimizerAverager(diloco_outer_optimizer(), step_cap=1.0)]
 
 
-@pytest.mark.parametrize("make", STATEFUL)
+@pytest.mark.parametrize("make", STATEFUL + CAPPED)
 def test_state_dict_round_trip_continues_exactly(make) -> None:  # type: ignore[no-untyped-def]
     generator = torch.Generator().manual_seed(1)
     inputs = [

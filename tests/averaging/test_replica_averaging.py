@@ -294,6 +294,10 @@ def test_resume_mid_round_continues_exactly() -> None:
         "bmuf-nesterov": (lambda: BlockMomentumAverager(block_momentum=0.5, nesterov=True), {}),
         "easgd": (lambda: ElasticAverager(beta=0.9), {"buffers": "local"}),
         "diloco": (lambda: OuterOptimizerAverager(diloco_outer_optimizer()), {}),
+        "diloco-capped": (
+            lambda: OuterOptimizerAverager(diloco_outer_optimizer(), step_cap=1.0),
+            {},
+        ),
     }
 
     def run(rank: int, world: int) -> dict[str, bool]:

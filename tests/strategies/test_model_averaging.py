@@ -473,6 +473,11 @@ def test_registered_names_and_bench_style_construction() -> None:
     assert outer.optimizer.defaults["lr"] == 0.7
     assert outer.optimizer.defaults["momentum"] == 0.5  # not the paper's 0.9: see the docs
     assert outer.optimizer.defaults["nesterov"]
+    assert outer.step_cap == 1.0  # the workers' own step at most
+    uncapped = parse_spec("diloco:outer_step_cap=inf").options
+    paper = ModelAveragingStrategy(**{**StrategyRegistry["diloco"]["init_params"], **uncapped})
+    assert isinstance(free := paper._make_averager(), OuterOptimizerAverager)
+    assert free.step_cap == float("inf")
     bmuf = StrategyRegistry["bmuf"]["strategy"](**StrategyRegistry["bmuf"]["init_params"])
     block = bmuf._make_averager()
     block.reset([torch.zeros(1)], 2)
@@ -510,6 +515,8 @@ def test_registered_names_and_bench_style_construction() -> None:
             {"algorithm": "outer_optimizer", "outer_optimizer": "adam", "outer_momentum": 0.9},
             "Adam",
         ),
+        ({"algorithm": "outer_optimizer", "outer_step_cap": 0.0}, "step_cap must be a positive"),
+        ({"algorithm": "bmuf", "outer_step_cap": 1.0}, r"outer_step_cap \(for outer_optimizer\)"),
         ({"warmup_steps": -1}, "warmup_steps"),
         ({"synchronous_window": -1}, "synchronous_window"),
         ({"plateau_drop": 1.5}, "plateau_drop"),
