@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -42,7 +42,9 @@ class OuterOptimizerAverager(Averager):
     The cap bounds what the outer optimizer adds to the workers' own progress: at ``c = 1``
     the global model never moves further in a round than the workers' mean did (the step of
     plain averaging), so outer momentum can turn the step but not lengthen it. The momentum
-    buffer itself is left as the optimizer made it. Uncapped, DiLoCo's outer step (lr 0.7,
+    buffer itself is left as the optimizer made it. The cap holds its own copy of ``g`` while
+    the optimizer steps (one more copy of the parameters for that moment), as an optimizer may
+    write into ``.grad``. Uncapped, DiLoCo's outer step (lr 0.7,
     Nesterov momentum 0.5) was 1.05 to 2.1 times the workers' on ``vgg_mini``, where the
     inner SGD already runs near its stability limit; capped at 1, ``diloco`` and streaming
     DiLoCo no longer collapse on any of seeds 0-9 (docs/model_averaging.md, "The outer step is
@@ -70,8 +72,8 @@ class OuterOptimizerAverager(Averager):
             ``math.inf``: the optimizer's step as it is; the strategies default to 1.0).
 
     Attributes:
-        capped_rounds: rounds whose step the cap shortened (counted over the fit, across
-            restarts).
+        capped_rounds: rounds whose step the cap shortened since this averager was built (not
+            saved in a checkpoint: a resumed run counts again from 0).
 
     Example::
 
@@ -114,25 +116,28 @@ class OuterOptimizerAverager(Averager):
     def update(self, local: Sequence[Tensor], mean: Sequence[Tensor]) -> list[Tensor]:
         if self.optimizer is None:
             raise RuntimeError("OuterOptimizerAverager.reset() must run before its first round")
+        capped = math.isfinite(self.step_cap)
+        pseudo_gradients = []
         for global_model, average in zip(self.global_model, mean, strict=True):
-            global_model.grad = global_model - average
+            pseudo_gradient = global_model - average
+            # an optimizer may write into .grad (torch's foreach Nesterov SGD, the default on
+            # CUDA, leaves g + μ·buf there): the cap keeps its own g
+            global_model.grad = pseudo_gradient.clone() if capped else pseudo_gradient
+            pseudo_gradients.append(pseudo_gradient)
         self.optimizer.step()
-        if math.isfinite(self.step_cap):
-            self._cap_step(mean)
+        if capped:
+            self._cap_step(mean, pseudo_gradients)
+        del pseudo_gradients
         self.optimizer.zero_grad(set_to_none=True)
         return clone_all(self.global_model)
 
     @torch.no_grad()
-    def _cap_step(self, mean: Sequence[Tensor]) -> None:
+    def _cap_step(self, mean: Sequence[Tensor], pseudo_gradients: Sequence[Tensor]) -> None:
         """Shorten the step the optimizer just took to ``step_cap·‖g‖``, in place (the
-        optimizer holds the global model's tensors). The point before the step is ``x̄ + g``
-        (``g`` still in ``.grad``), so no copy of the model is kept across the step; the
-        norms are taken one tensor at a time."""
-        gradients = [tensor.grad for tensor in self.global_model]
-        if any(gradient is None for gradient in gradients):
-            raise RuntimeError("the outer step's pseudo-gradient was released before the cap")
-        triples = list(zip(self.global_model, mean, cast(list[Tensor], gradients), strict=True))
-        pseudo_gradient = _norm(gradient for _, _, gradient in triples)
+        optimizer holds the global model's tensors). The point before the step is ``x̄ + g``;
+        the norms are taken one tensor at a time."""
+        triples = list(zip(self.global_model, mean, pseudo_gradients, strict=True))
+        pseudo_gradient = _norm(pseudo_gradients)
         step = _norm(after - average - gradient for after, average, gradient in triples)
         limit = self.step_cap * pseudo_gradient
         if not step > limit * (1 + _ROUNDING):  # a step of exactly the cap is left as it is

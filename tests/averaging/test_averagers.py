@@ -171,12 +171,18 @@ def test_capped_outer_step_is_no_longer_than_the_workers_mean_moved() -> None:
     )
 
 
-def test_the_cap_keeps_the_direction_and_leaves_the_momentum_as_it_was() -> None:
+@pytest.mark.parametrize("foreach", [False, True])
+def test_the_cap_keeps_the_direction_and_leaves_the_momentum_as_it_was(foreach: bool) -> None:
     # the second round's pseudo-gradient turns 90 degrees: the momentum bends the step, and
-    # the capped step has the uncapped one's direction at the length of the pseudo-gradient
+    # the capped step has the uncapped one's direction at the length of the pseudo-gradient;
+    # torch's foreach Nesterov SGD (its default on CUDA) writes g + μ·buf into .grad, which
+    # must not become the cap's g
+    def nesterov(params: list[Tensor]) -> torch.optim.Optimizer:
+        return torch.optim.SGD(params, lr=0.7, momentum=0.5, nesterov=True, foreach=foreach)
+
     rounds = [torch.tensor([1.0, 0.0]), torch.tensor([0.0, 1.0])]
-    free = OuterOptimizerAverager(diloco_outer_optimizer(lr=0.7, momentum=0.5))
-    capped = OuterOptimizerAverager(diloco_outer_optimizer(lr=0.7, momentum=0.5), step_cap=1.0)
+    free = OuterOptimizerAverager(nesterov)
+    capped = OuterOptimizerAverager(nesterov, step_cap=1.0)
     for averager in (free, capped):
         averager.reset([torch.zeros(2)], world_size=2)
     free_start = capped_start = torch.zeros(2)
