@@ -99,7 +99,6 @@ def averager_factory(
         given.get("outer_nesterov"),
     )
     step_cap = given.get("outer_step_cap", OUTER_STEP_CAP)
-    OuterOptimizerAverager(factory, step_cap=step_cap)  # a cap <= 0 fails here
     return name, functools.partial(OuterOptimizerAverager, factory, step_cap=step_cap)
 
 
