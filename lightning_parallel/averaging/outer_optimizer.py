@@ -47,8 +47,9 @@ class OuterOptimizerAverager(Averager):
     write into ``.grad``. Uncapped, DiLoCo's outer step (lr 0.7,
     Nesterov momentum 0.5) was 1.05 to 2.1 times the workers' on ``vgg_mini``, where the
     inner SGD already runs near its stability limit; capped at 1, ``diloco`` and streaming
-    DiLoCo no longer collapse on two hosts over seeds 0-9, though one 3-host run without a
-    fault still does (docs/model_averaging.md, "The outer step is capped").
+    DiLoCo no longer collapse on two hosts over seeds 0-9 (one 3-host run without a fault
+    ends on the plateau, where ``ddp`` on the same hosts collapses too; docs/model_averaging.md,
+    "The outer step is capped").
 
     Instances of the family:
 

@@ -204,6 +204,30 @@ def test_rounds_count_steps_not_batches_or_optimizers(tmp_path: Path) -> None:
         assert record["gradient_reductions"] == 0
 
 
+def test_the_capped_outer_steps_are_counted_in_the_gauge(tmp_path: Path) -> None:
+    # outer Nesterov SGD at lr 0.7, μ 0.9 moves 1.33 times the workers' mean in the first round
+    # and more as its momentum builds: the default cap (1) shortens rounds, and the
+    # outer_steps_capped gauge that CommStats logs reports how many; uncapped, no gauge is set
+    outer = {
+        "algorithm": "outer_optimizer",
+        "outer_optimizer": "sgd",
+        "outer_lr": 0.7,
+        "outer_momentum": 0.9,
+        "outer_nesterov": True,
+        "period": 2,
+        "rollback_on_spike": False,
+        "replace_collapsed": False,
+    }
+    for name, options in (("capped", {}), ("free", {"outer_step_cap": float("inf")})):
+        (tmp_path / name).mkdir()
+        fit(Regression(), averaging(**outer, **options), tmp_path / name, max_epochs=1)
+    for capped, free in zip(records(tmp_path / "capped"), records(tmp_path / "free"), strict=True):
+        assert capped["rounds"] == free["rounds"] == 2
+        assert 1 <= capped["gauges"]["outer_steps_capped"] <= capped["rounds"]
+        assert "outer_steps_capped" not in free["gauges"]
+        assert capped["replica"] != free["replica"]
+
+
 def test_validation_sees_the_mean_and_the_parent_gets_the_mean(tmp_path: Path) -> None:
     model = Regression(momentum=0.9)
     fit(model, averaging(algorithm="one_shot"), tmp_path, max_epochs=2, limit_val_batches=1)
