@@ -1,0 +1,90 @@
+"""A loss spike rolls model averaging back on CUDA (``pytest -m gpu``; skipped without CUDA).
+
+The short fits of ``test_gpu_fits.py`` take too few steps for a loss rule to fire, so the
+roll-back's own path (the kept point, or each fragment's agreement, put back into the replicas
+and the optimizers' state cleared) would otherwise run only on the CPU. Here the training loss
+is 50 times larger at one step on every rank, under the ``diloco`` preset (capped outer
+Nesterov step) and streaming DiLoCo (fragments, a delayed round, int8 deltas), two ranks by
+``spawn`` as in ``test_gpu_fits.py``: each rank rolls back once, and trains on to the end with
+every parameter on the GPU and finite.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from helpers.models import ConvBatchNormNet, image_loader
+from pytorch_lightning.callbacks import Callback
+from test_gpu_fits import _strategy, placement
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.slow,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available"),
+]
+
+SPIKE_AT = 6  # of 12 optimizer steps: 3 epochs of 4 (128 samples, 2 ranks, batches of 16)
+
+
+class SpikyNet(ConvBatchNormNet):
+    """The test network, whose loss (and gradient) is 50 times larger at step ``SPIKE_AT``."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        return loss * 50 if self.global_step == SPIKE_AT else loss
+
+
+class RollbackRecord(Callback):
+    """Writes each rank's roll-backs and its parameters' devices and finiteness at the end."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        parameters = list(pl_module.parameters())
+        record = {
+            "rollbacks": trainer.strategy.averaging.rollbacks,  # type: ignore[attr-defined]
+            "devices": sorted({p.device.type for p in parameters}),
+            "finite": all(bool(torch.isfinite(p).all()) for p in parameters),
+            "steps": trainer.global_step,
+        }
+        (self.folder / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
+
+
+def spiky_fit(family: str, folder: Path, accelerator: str, where: dict[str, Any]) -> pl.Trainer:
+    """Fit :class:`SpikyNet` under ``family`` for 3 epochs; each rank writes its record."""
+    import lightning_parallel  # noqa: F401  (registers the strategy names)
+
+    strategy, _, _ = _strategy(family, where)
+    trainer = pl.Trainer(
+        accelerator=accelerator,
+        devices=len(set(where["parallel_devices"])),
+        strategy=strategy,
+        max_epochs=3,
+        limit_train_batches=6,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[RollbackRecord(folder)],
+    )
+    trainer.fit(SpikyNet(channels=8, hidden=64, device_type=accelerator), image_loader(128, 16))
+    return trainer
+
+
+@pytest.mark.parametrize("family", ["preset:diloco", "diloco_streaming_int8"])
+def test_gpu_a_loss_spike_rolls_back(family: str, tmp_path: Path) -> None:
+    trainer = spiky_fit(family, tmp_path, "cuda", placement())
+    assert trainer.state.finished
+    for rank in (0, 1):
+        record = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert record["rollbacks"] == 1, record
+        assert record["devices"] == ["cuda"] and record["finite"], record
+        assert record["steps"] == 12
