@@ -39,12 +39,12 @@ class BlockMomentumAverager(Averager):
     strategy asks for the learning rate you would use for DDP, which is already the scaled one:
     on the bundled ``vgg_mini`` and ``convnet`` the paper's values trained more slowly than
     periodic averaging in 3 epochs, and diverged on ``convnet`` with Nesterov block momentum
-    (docs/model_averaging.md, "Defaults"). The defaults keep the step: ``ζ = 1 − η``
-    (``block_learning_rate=None``), so the block momentum ``η = 0.5`` smooths the rounds' noise
-    (the first round moves ``1 − η² = 3/4`` of the way) without enlarging the step. For the
-    paper's values pass ``block_momentum=None`` (``1 − 1/M``) and ``block_learning_rate=1``
-    (with ``nesterov=False``, the former default), and lower the inner learning rate if it
-    trains unsteadily.
+    (docs/averaging_defaults.md, "The presets' outer steps"). The defaults keep the step:
+    ``ζ = 1 − η`` (``block_learning_rate=None``), so the block momentum ``η = 0.5`` smooths
+    the rounds' noise (the first round moves ``1 − η² = 3/4`` of the way) without enlarging the
+    step. For the paper's values pass ``block_momentum=None`` (``1 − 1/M``) and
+    ``block_learning_rate=1`` (with ``nesterov=False``, the former default), and lower the inner
+    learning rate if it trains unsteadily.
 
     Args:
         block_momentum: ``η`` in ``[0, 1)`` (default 0.5); ``None`` for the paper's ``1 − 1/M``.

@@ -37,7 +37,7 @@ class ElasticAverager(Averager):
     first keeps ``1 − α(1 − β)/(1 − (1 − α)(1 − β))``, 95% at the same values. On the bundled
     ``vgg_mini`` the simultaneous update ended 3 epochs below periodic averaging on all 5 seeds
     measured (7.6 points on average), the center-first update 18.9 points above it on average
-    (docs/model_averaging.md, "Defaults").
+    (docs/averaging_defaults.md, "The presets' outer steps").
 
     Args:
         alpha: the workers' moving rate ``α`` in ``(0, 1]``; ``None`` for ``β/M``.

@@ -48,7 +48,7 @@ class OuterOptimizerAverager(Averager):
     Nesterov momentum 0.5) was 1.05 to 2.1 times the workers' on ``vgg_mini``, where the
     inner SGD already runs near its stability limit; capped at 1, ``diloco`` and streaming
     DiLoCo no longer collapse on two hosts over seeds 0-9 (one 3-host run without a fault
-    ends on the plateau, where ``ddp`` on the same hosts collapses too; docs/model_averaging.md,
+    ends on the plateau, where ``ddp`` on the same hosts collapses too; docs/averaging_defaults.md,
     "The outer step is capped").
 
     Instances of the family:
@@ -195,9 +195,9 @@ def diloco_outer_optimizer(
     inner SGD with momentum at a learning rate tuned for DDP, the steady step is 7 times the one
     the inner optimizer was tuned for: on the bundled ``vgg_mini`` it averaged 0.45 validation
     accuracy after 3 epochs over 5 seeds (periodic averaging 0.59) and ended 6 epochs at 0.08 to
-    0.26 on 3 of them (docs/model_averaging.md, "Defaults"). ``μ = 0.5`` moves ``1.05·d`` in
-    the first round and ``1.4·d`` at most; the strategies' ``outer_step_cap`` (default 1, see
-    :class:`OuterOptimizerAverager`) shortens that to ``d``.
+    0.26 on 3 of them (docs/averaging_defaults.md, "The presets' outer steps"). ``μ = 0.5``
+    moves ``1.05·d`` in the first round and ``1.4·d`` at most; the strategies'
+    ``outer_step_cap`` (default 1, see :class:`OuterOptimizerAverager`) shortens that to ``d``.
     Pass ``momentum=0.9`` for the paper's recipe (with AdamW inside and ``H`` in the hundreds).
     """
     return lambda params: torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=True)

@@ -26,7 +26,8 @@ class PlateauExit:
     (seed 3: a replica's loss went to 7.0 where DDP's mean-gradient step went to 2.9) and the
     averaged model lands on a dead, constant-output point (loss ``ln 10``) that it does not
     leave in 5 epochs. :class:`~lightning_parallel.averaging.ReplicaAveraging` runs a short
-    synchronous window from the step this rule fires (docs/model_averaging.md, "Defaults").
+    synchronous window from the step this rule fires where ``synchronous_window`` asks for one
+    (off by default: it did not help; docs/averaging_defaults.md, "Loss spikes roll back").
 
     Tuning: ``δ`` must exceed the smoothed loss's noise on the plateau (a few tenths of a
     percent for 2 ranks of 32 samples on digits) and stay below the descent's first fall

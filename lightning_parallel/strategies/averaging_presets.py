@@ -4,8 +4,8 @@
 The defaults keep the step of the inner optimizer (tuned as for DDP) rather than multiply it:
 per round, with the workers' mean moving 1, BMUF moves 0.75 then 1, EASGD keeps 95% of the
 progress, DiLoCo moves 1 (its Nesterov outer momentum turns the step, ``outer_step_cap=1``
-keeps its length). docs/model_averaging.md ("Defaults") gives the measurements and the papers'
-own values, which are arguments away.
+keeps its length). docs/model_averaging.md ("Defaults") gives the papers' own values, which are
+arguments away, and docs/averaging_defaults.md the measurements.
 """
 
 from __future__ import annotations

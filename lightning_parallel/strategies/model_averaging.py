@@ -52,7 +52,8 @@ Registered names: ``model_averaging`` and ``local_sgd`` (periodic, ``period=8``)
 (``beta=0.9``, center first, ``period=6``), ``diloco`` (outer Nesterov SGD lr 0.7 momentum
 0.5, ``period=16``, each outer step capped at the workers' own: ``outer_step_cap=1``). Their
 defaults keep the step of the inner optimizer (tuned as for DDP) rather than multiply it;
-docs/model_averaging.md ("Defaults") gives the measurements and the papers' own values.
+docs/model_averaging.md ("Defaults") gives them and the papers' own values, and
+docs/averaging_defaults.md the measurements that chose them.
 
 Example::
 
@@ -139,8 +140,8 @@ class ModelAveragingStrategy(AveragingCheckpoints):
             (:class:`~lightning_parallel.averaging.plateau.PlateauExit`), every replica takes
             the mean model and optimizer state, the next ``S`` steps average gradients as DDP
             does, and the algorithm restarts afterwards from there (outer or block momentum
-            from zero). Costs ``S`` DDP steps' bytes (measured: docs/model_averaging.md,
-            "Defaults").
+            from zero). Costs ``S`` DDP steps' bytes (measured: docs/averaging_defaults.md,
+            "Loss spikes roll back").
         plateau_drop: the smoothed loss's relative fall below the plateau's level that ends
             it (default 0.05; larger: later).
         rollback_on_spike: after a local step whose loss, averaged over the ranks, exceeds
@@ -150,19 +151,20 @@ class ModelAveragingStrategy(AveragingCheckpoints):
             training started for 3 steps in a row, restart every replica from the last point
             they agreed on while the loss was settled, with the optimizers' state cleared and
             the algorithm restarted there (default ``True``). One scalar per step, no other
-            communication, one copy of the model kept; EASGD (whose replicas never agree)
-            ignores it. Why and measured: docs/model_averaging.md, "Loss spikes roll back".
+            communication, two copies of the model kept (the point and the one before it);
+            EASGD (whose replicas never agree) ignores it. Why and measured:
+            docs/averaging_defaults.md, "Loss spikes roll back".
         replace_collapsed: a replica whose own smoothed loss falls back to where training
             started (within 7.5%) for 3 local steps, after it had left it, while another
             replica's is still 15% below, takes the healthy replicas' mean model and optimizer
             state (:class:`~lightning_parallel.averaging.collapse.ReplicaCollapse`; default
             ``True``). Costs one scalar a replica each local step and one model exchange a
             replacement: the mean loss hides one dead replica, which the next round would
-            average in (docs/model_averaging.md, "One dead replica is replaced").
+            average in (docs/averaging_defaults.md, "One dead replica is replaced").
         spike_ratio: the spike rule's ratio (default 2.0; larger: fewer roll-backs).
         spike_regression: the share of the way back to the starting loss that counts as a
             regression (default 1.0, back at the start; smaller: more roll-backs; ``None``:
-            spikes only; docs/model_averaging.md, "Slow deaths").
+            spikes only; docs/averaging_defaults.md, "Slow deaths").
         buffers: ``"average"`` (default; BatchNorm statistics averaged with the parameters) or
             ``"local"`` (each replica keeps its own; checkpoints hold rank 0's).
         optimizer_state: ``"keep"`` (default; each replica keeps its momentum or moments),
