@@ -109,12 +109,15 @@ def fit(
     where: dict[str, Any],
     max_epochs: int = 1,
     ckpt_path: str | None = None,
+    model: pl.LightningModule | None = None,
+    extra_callbacks: tuple[pl.Callback, ...] = (),
 ) -> pl.Trainer:
     """Fit ``family`` on ``where``'s devices (``placement()`` on CUDA) with a checkpoint, or
-    resume it from ``ckpt_path``."""
+    resume it from ``ckpt_path``; ``model`` replaces the default network."""
     import lightning_parallel  # noqa: F401  (registers the strategy names)
 
     strategy, options, callbacks = _strategy(family, where)
+    callbacks = [*callbacks, *extra_callbacks]
     trainer = pl.Trainer(
         accelerator=accelerator,
         devices=len(set(where["parallel_devices"])),
@@ -131,7 +134,7 @@ def fit(
         **options,
     )
     trainer.fit(
-        ConvBatchNormNet(channels=8, hidden=64, device_type=accelerator),
+        model or ConvBatchNormNet(channels=8, hidden=64, device_type=accelerator),
         image_loader(128, 16),
         image_loader(128, 16),
         ckpt_path=ckpt_path,

@@ -18,9 +18,9 @@ from typing import Any
 import pytest
 import pytorch_lightning as pl
 import torch
-from helpers.models import ConvBatchNormNet, image_loader
+from helpers.models import ConvBatchNormNet
 from pytorch_lightning.callbacks import Callback
-from test_gpu_fits import _strategy, placement
+from test_gpu_fits import fit, placement
 
 pytestmark = [
     pytest.mark.gpu,
@@ -58,25 +58,9 @@ class RollbackRecord(Callback):
 
 def spiky_fit(family: str, folder: Path, accelerator: str, where: dict[str, Any]) -> pl.Trainer:
     """Fit :class:`SpikyNet` under ``family`` for 3 epochs; each rank writes its record."""
-    import lightning_parallel  # noqa: F401  (registers the strategy names)
-
-    strategy, _, _ = _strategy(family, where)
-    trainer = pl.Trainer(
-        accelerator=accelerator,
-        devices=len(set(where["parallel_devices"])),
-        strategy=strategy,
-        max_epochs=3,
-        limit_train_batches=6,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[RollbackRecord(folder)],
-    )
-    trainer.fit(SpikyNet(channels=8, hidden=64, device_type=accelerator), image_loader(128, 16))
-    return trainer
+    model = SpikyNet(channels=8, hidden=64, device_type=accelerator)
+    record = RollbackRecord(folder)
+    return fit(family, folder, accelerator, where, 3, model=model, extra_callbacks=(record,))
 
 
 @pytest.mark.parametrize("family", ["preset:diloco", "diloco_streaming_int8"])
