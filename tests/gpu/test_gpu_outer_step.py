@@ -44,6 +44,7 @@ def _rounds(device: torch.device) -> dict[str, Any]:
         mean = [base + moved for base, moved in zip(start, progress, strict=True)]
         start = [tensor.clone() for tensor in averager.update(start, mean)]
         history.append([tensor.cpu() for tensor in start])
+    assert averager.optimizer is not None
     group = averager.optimizer.param_groups[0]
     foreach = group.get("foreach")
     if foreach is None and device.type == "cuda":  # torch's default: foreach on CUDA tensors
