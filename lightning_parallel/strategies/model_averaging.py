@@ -150,8 +150,9 @@ class ModelAveragingStrategy(AveragingCheckpoints):
             loss has climbed back ``spike_regression`` of the way from its lowest to where
             training started for 3 steps in a row, restart every replica from the last point
             they agreed on while the loss was settled, with the optimizers' state cleared and
-            the algorithm restarted there (default ``True``). One scalar per step, no other
-            communication, two copies of the model kept (the point and the one before it);
+            the algorithm restarted there (default ``True``). One scalar per step (``2·M`` with
+            ``replace_collapsed``), no other communication, two copies of the model kept (the
+            point and the one before it; a third while a round inside a climb is held);
             EASGD (whose replicas never agree) ignores it. Why and measured:
             docs/averaging_defaults.md, "Loss spikes roll back".
         replace_collapsed: a replica whose own smoothed loss falls back to where training

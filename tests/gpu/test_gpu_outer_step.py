@@ -4,7 +4,7 @@ On CUDA, torch's SGD defaults to its foreach path, which writes ``g + μ·buf`` 
 while it steps; the cap must measure ``g`` itself (the pseudo-gradient), not what the optimizer
 left in ``.grad``. The test runs the default DiLoCo outer optimizer (Nesterov, lr 0.7, μ 0.5)
 with the default cap for several rounds of pseudo-gradients that turn, on the CPU (single-tensor
-path) and on CUDA (foreach, checked), and asks for the same global models and the same count of
+path) and on CUDA (foreach, which torch's own selection function picks there), and asks for the same global models and the same count of
 capped rounds. It runs in a spawned process, so that the pytest process never initialises CUDA.
 """
 

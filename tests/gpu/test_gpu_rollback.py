@@ -5,8 +5,11 @@ roll-back's own path (the kept point, or each fragment's agreement, put back int
 and the optimizers' state cleared) would otherwise run only on the CPU. Here the training loss
 is 50 times larger at one step on every rank, under the ``diloco`` preset (capped outer
 Nesterov step) and streaming DiLoCo (fragments, a delayed round, int8 deltas), two ranks by
-``spawn`` as in ``test_gpu_fits.py``: each rank rolls back once, and trains on to the end with
-every parameter on the GPU and finite.
+``spawn`` as in ``test_gpu_fits.py``: each rank rolls back once and trains on to the end. Under
+``diloco``, whose kept point is a whole round's restart point, the parameters the step after
+the roll-back starts from are exactly those an earlier step started from (the point kept), not
+the spike's; streaming DiLoCo keeps one agreement a fragment, from different rounds, so there
+only the count is checked.
 """
 
 from __future__ import annotations
@@ -34,7 +37,18 @@ SPIKE_AT = 6  # of 12 optimizer steps: 3 epochs of 4 (128 samples, 2 ranks, batc
 class SpikyNet(ConvBatchNormNet):
     """The test network, whose loss (and gradient) is 50 times larger at step ``SPIKE_AT``."""
 
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.starts: list[tuple[int, int, list[float]]] = []  # (step, roll-backs, checksum)
+
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        # the parameters this step starts from (the strategy's batch start has already rolled
+        # back), summed on the host in float64
+        flat = torch.cat([p.detach().reshape(-1).cpu().double() for p in self.parameters()])
+        rollbacks = self.trainer.strategy.averaging.rollbacks  # type: ignore[attr-defined]
+        self.starts.append(
+            (self.global_step, rollbacks, [float(flat.sum()), float(flat.square().sum())])
+        )
         loss = super().training_step(batch, batch_idx)
         return loss * 50 if self.global_step == SPIKE_AT else loss
 
@@ -52,6 +66,7 @@ class RollbackRecord(Callback):
             "devices": sorted({p.device.type for p in parameters}),
             "finite": all(bool(torch.isfinite(p).all()) for p in parameters),
             "steps": trainer.global_step,
+            "starts": pl_module.starts,  # type: ignore[attr-defined]
         }
         (self.folder / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
 
@@ -63,12 +78,25 @@ def spiky_fit(family: str, folder: Path, accelerator: str, where: dict[str, Any]
     return fit(family, folder, accelerator, where, 3, model=model, extra_callbacks=(record,))
 
 
+def check_records(family: str, folder: Path, device: str) -> None:
+    """Each rank rolled back once, at the step after the spike, and (``diloco``) started that
+    step from parameters an earlier step started from."""
+    for rank in (0, 1):
+        record = json.loads((folder / f"rank{rank}.json").read_text())
+        assert record["rollbacks"] == 1, record["rollbacks"]
+        assert record["devices"] == [device] and record["finite"]
+        assert record["steps"] == 12
+        back = next(start for start in record["starts"] if start[1] == 1)
+        assert back[0] == SPIKE_AT + 1  # the step after the spike
+        if family == "preset:diloco":
+            earlier = [start[2] for start in record["starts"] if start[0] < SPIKE_AT]
+            assert back[2] in earlier, (
+                "the step after the roll-back did not start from a kept point"
+            )
+
+
 @pytest.mark.parametrize("family", ["preset:diloco", "diloco_streaming_int8"])
 def test_gpu_a_loss_spike_rolls_back(family: str, tmp_path: Path) -> None:
     trainer = spiky_fit(family, tmp_path, "cuda", placement())
     assert trainer.state.finished
-    for rank in (0, 1):
-        record = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        assert record["rollbacks"] == 1, record
-        assert record["devices"] == ["cuda"] and record["finite"], record
-        assert record["steps"] == 12
+    check_records(family, tmp_path, "cuda")
