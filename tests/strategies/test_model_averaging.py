@@ -365,6 +365,74 @@ def test_a_loss_spike_rolls_back_and_the_old_settings_never_do(tmp_path: Path) -
     assert records(tmp_path / "plain-new")[0]["rollbacks"] == 0
 
 
+class StartRecorder(Callback):
+    """Writes each rank's parameters at the start of every training step (after the strategy's
+    batch start, where a roll-back lands) and at its end (after the optimizer step) into
+    ``directory/steps<r>.json``."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.steps: list[tuple[list[float], list[float]]] = []
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, *_: Any
+    ) -> None:
+        self.steps.append((pl_module.step_start, flat(pl_module).tolist()))  # type: ignore[attr-defined]
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        path = self.directory / f"steps{trainer.global_rank}.json"
+        path.write_text(json.dumps(self.steps))
+
+
+class RecordedSpikyRegression(SpikyRegression):
+    """:class:`SpikyRegression` that keeps the parameters each training step starts from."""
+
+    def training_step(self, batch: list[Tensor], batch_idx: int) -> Tensor | None:
+        self.step_start = flat(self).tolist()
+        return super().training_step(batch, batch_idx)
+
+
+def test_easgd_rolls_back_to_its_center(tmp_path: Path) -> None:
+    # EASGD's replicas never agree after a round (each keeps 1 − α of its own); its center
+    # does, and a spike (the seventh step, global_step 6) rolls every replica back to the
+    # center kept by the round after the fourth step: the step after the spike starts there
+    # on both ranks (entries below: one a step, 0-based)
+    easgd = {"algorithm": "easgd", "period": 4}
+    for name in ("new", "plain-new", "plain-old"):
+        (tmp_path / name).mkdir()
+    fit(
+        RecordedSpikyRegression(),
+        averaging(**easgd),
+        tmp_path / "new",
+        callbacks=[StartRecorder(tmp_path / "new")],
+        max_epochs=2,
+    )
+    assert [record["rollbacks"] for record in records(tmp_path / "new")] == [1, 1]
+    ranks = [json.loads((tmp_path / "new" / f"steps{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0][4][0] != ranks[1][4][0]  # after the round: EASGD's replicas differ
+    assert ranks[0][7][0] == ranks[1][7][0]  # after the roll-back: the same point
+    # the round restarted replica i at x_i + α(x̃ − x_i) (x_i: its end of step 3), so the
+    # center it kept is x̃ = x_i + (x_i' − x_i)/α, and step 7 starts from it on either rank
+    alpha = 0.9 / 2
+    for steps in ranks:
+        end, restart = torch.tensor(steps[3][1]), torch.tensor(steps[4][0])
+        center = end + (restart - end) / alpha
+        torch.testing.assert_close(torch.tensor(steps[7][0]), center, rtol=1e-4, atol=1e-5)
+    # without a spike the rule only watches: the run is bit for bit the one without it
+    old = {"rollback_on_spike": False}
+    for name, options in [("plain-new", {}), ("plain-old", old)]:
+        fit(
+            SpikyRegression(spike_at=None),
+            averaging(**easgd, **options),
+            tmp_path / name,
+            max_epochs=2,
+        )
+    assert (
+        records(tmp_path / "plain-new")[0]["replica"]
+        == records(tmp_path / "plain-old")[0]["replica"]
+    )
+
+
 class CollapsingRegression(Regression):
     """:class:`Regression` whose reported loss (its gradient is the true one's) leaves 2.3 at
     step 2 on every rank and is back at 2.3 from step 6 on rank 1 only."""
