@@ -47,7 +47,6 @@ class ElasticAverager(Averager):
     """
 
     restarts_in_consensus: ClassVar[bool] = False  # each worker keeps part of its own replica
-    keeps_agreed_point: ClassVar[bool] = True  # the center, the same on every worker
 
     def __init__(
         self, alpha: float | None = None, beta: float = 0.9, center_first: bool = True
@@ -74,11 +73,6 @@ class ElasticAverager(Averager):
     def reset(self, start: Sequence[Tensor], world_size: int) -> None:
         super().reset(start, world_size)
         self.center = clone_all(start)
-
-    def agreed_point(self) -> list[Tensor] | None:
-        """The center ``x̃``: identical on every worker after a round (each computes it from the
-        same mean), so a roll-back restarts every replica, and the center, from a kept one."""
-        return self.center if self.started else None
 
     def update(self, local: Sequence[Tensor], mean: Sequence[Tensor]) -> list[Tensor]:
         alpha = self.alpha

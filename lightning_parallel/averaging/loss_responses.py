@@ -25,11 +25,7 @@ from torch import Tensor
 from lightning_parallel.averaging.collapse import ReplicaCollapse
 from lightning_parallel.averaging.exchange import RoundExchange
 from lightning_parallel.averaging.plateau import LossSpike, PlateauExit
-from lightning_parallel.averaging.policies import (
-    optimizer_state_tensors,
-    reset_optimizer_state,
-    round_buffers,
-)
+from lightning_parallel.averaging.policies import optimizer_state_tensors, reset_optimizer_state
 from lightning_parallel.averaging.reduction import FlatAllReduce, counted
 from lightning_parallel.averaging.rounds import Agreement
 
@@ -108,31 +104,6 @@ class LossResponses(RoundExchange):
         return self._points_at_rollback == self._points_kept
 
     @property
-    def _rolls_back_to_center(self) -> bool:
-        """Whether the replicas, which do not restart in consensus, roll back to an agreed point
-        the algorithm keeps (EASGD's center): whole-model rounds applied at once only (a delayed
-        or fragmented round leaves no such point)."""
-        return (
-            not self.averager.restarts_in_consensus
-            and self.averager.keeps_agreed_point
-            and len(self.fragments) == 1
-            and not self._keep_agreement
-            and self.sync_delay == 0
-        )
-
-    @property
-    def _can_roll_back(self) -> bool:
-        """Whether a spike or regression has an agreed point to roll every replica back to."""
-        return self.averager.restarts_in_consensus or self._rolls_back_to_center
-
-    def _center_point(self) -> list[Tensor]:
-        """The algorithm's agreed point with the round's buffers (the replicas hold the mean
-        buffers after a round), shaped like :meth:`_model_tensors`."""
-        center = self.averager.agreed_point()
-        assert center is not None
-        return [*center, *round_buffers(self.module, self.buffers)]
-
-    @property
     def observes_loss(self) -> bool:
         """Whether the caller must pass this step's loss to :meth:`observe_loss`: a local step
         (rounds during training, several replicas) with a plateau rule that has not fired or a
@@ -144,7 +115,7 @@ class LossResponses(RoundExchange):
         ):
             return False
         watching_plateau = self.plateau is not None and not self.plateau.fired
-        watching_spikes = self.spike is not None and self._can_roll_back
+        watching_spikes = self.spike is not None and self.averager.restarts_in_consensus
         return watching_plateau or watching_spikes or self.collapse is not None
 
     def observe_loss(self, loss: Tensor | float) -> None:
@@ -165,7 +136,9 @@ class LossResponses(RoundExchange):
         if self.plateau is not None and self.plateau.observe(mean):
             self._window_due = True
             self.ledger.set_gauge("synchronous_window_at", self.schedule.optimizer_steps)
-        watching = self.spike is not None and self.averager.started and self._can_roll_back
+        watching = (
+            self.spike is not None and self.averager.restarts_in_consensus and self.averager.started
+        )
         regressions = self.spike.regressions if self.spike is not None else 0
         if watching and self.spike is not None and self.spike.observe(mean):
             self.ledger.set_gauge("loss_spikes", self.spike.spikes)

@@ -240,8 +240,6 @@ class ReplicaAveraging(LossResponses):
             self._start_round(fragment, self.sync_delay)
         if due and self._in_consensus:
             self._keep_safe_point()
-        elif due and self._rolls_back_to_center:
-            self._keep_safe_point(self._center_point())  # EASGD: the center the round moved
 
     def _start_averagers(self) -> None:
         parameters = [parameter.detach() for parameter in trainable_parameters(self.module)]
