@@ -58,6 +58,11 @@ class Averager(ABC):
             mean: the mean ``x̄`` of all replicas (do not modify).
         """
 
+    def gauges(self) -> dict[str, float]:
+        """Counts the round runner sets in the process ledger after each round, summed over
+        the fragments' averagers (none by default)."""
+        return {}
+
     def state_dict(self) -> dict[str, Any]:
         """The averager's state, identical on every rank (saved once in the checkpoint)."""
         return {"world_size": self.world_size}

@@ -32,7 +32,6 @@ from torch import Tensor
 
 from lightning_parallel.averaging.flat import FlatLayout
 from lightning_parallel.averaging.fragments import Fragment, flat_delta
-from lightning_parallel.averaging.outer_optimizer import OuterOptimizerAverager
 from lightning_parallel.averaging.policies import (
     optimizer_state_tensors,
     reset_optimizer_state,
@@ -194,7 +193,7 @@ class RoundExchange(ReplicaState):
             self.ledger.set_gauge("divergence", self.last_divergence)
             averager = self.averagers[index]
             targets = averager.update(local_parameters, mean_parameters) + mean[count:]
-            self._gauge_capped_steps()
+            self._gauge_averagers()
             live, _, _ = self._fragment_tensors(self.fragments[index])
             if [t.shape for t in live] != [t.shape for t in current.snapshot]:
                 raise RuntimeError(
@@ -227,16 +226,15 @@ class RoundExchange(ReplicaState):
             only = None if len(self.fragments) == 1 else live[:count]
             reset_optimizer_state(self.optimizers, only)
 
-    def _gauge_capped_steps(self) -> None:
-        """The ``outer_steps_capped`` gauge: rounds whose outer step the cap shortened (all
-        fragments)."""
-        capped = sum(
-            averager.capped_rounds
-            for averager in self.averagers
-            if isinstance(averager, OuterOptimizerAverager)
-        )
-        if capped:
-            self.ledger.set_gauge("outer_steps_capped", capped)
+    def _gauge_averagers(self) -> None:
+        """Set the averagers' own gauges, each summed over the fragments
+        (:meth:`~lightning_parallel.averaging.Averager.gauges`; DiLoCo's ``outer_steps_capped``)."""
+        totals: dict[str, float] = {}
+        for averager in self.averagers:
+            for name, value in averager.gauges().items():
+                totals[name] = totals.get(name, 0.0) + value
+        for name, value in totals.items():
+            self.ledger.set_gauge(name, value)
 
     def _finish_rounds(self) -> None:
         """Apply every round in flight now, whatever its delay."""

@@ -149,6 +149,10 @@ class OuterOptimizerAverager(Averager):
             after.sub_(start).mul_(scale).add_(start)
         self.capped_rounds += 1
 
+    def gauges(self) -> dict[str, float]:
+        """``outer_steps_capped``: the rounds the cap shortened, once there is one."""
+        return {"outer_steps_capped": float(self.capped_rounds)} if self.capped_rounds else {}
+
     def state_dict(self) -> dict[str, Any]:
         return {
             **super().state_dict(),

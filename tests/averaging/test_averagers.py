@@ -195,6 +195,7 @@ def test_the_cap_keeps_the_direction_and_leaves_the_momentum_as_it_was(foreach: 
         assert float(cosine) == pytest.approx(1.0)
         free_start, capped_start = free_end, capped_end
     assert capped.capped_rounds == 2
+    assert capped.gauges() == {"outer_steps_capped": 2.0} and free.gauges() == {}
     free_buffer = free.optimizer.state[free.global_model[0]]["momentum_buffer"]
     capped_buffer = capped.optimizer.state[capped.global_model[0]]["momentum_buffer"]
     assert torch.equal(free_buffer, capped_buffer)  # both the pseudo-gradients' sum, as torch's
