@@ -31,6 +31,16 @@ class Averager(ABC):
     #: ``True`` when every worker restarts from the same point after a round (the replicas then
     #: agree until the next step, and evaluating them needs no communication).
     restarts_in_consensus: ClassVar[bool] = True
+    #: ``True`` when the workers do not restart in consensus but the algorithm keeps a point they
+    #: all agree on (EASGD's center): :meth:`agreed_point` gives it, and a regression of the
+    #: loss rolls every replica back to it.
+    keeps_agreed_point: ClassVar[bool] = False
+
+    def agreed_point(self) -> list[Tensor] | None:
+        """The parameters every worker agrees on after a round when they do not restart from
+        one point (EASGD's center; ``None`` before :meth:`reset` and for the other algorithms):
+        a regression of the loss rolls every replica back to a kept one."""
+        return None
 
     def __init__(self) -> None:
         self.world_size: int | None = None

@@ -118,8 +118,10 @@ class ReplicaAveraging(LossResponses):
             replica restarts from the last point the replicas agreed on (the last round's
             restart point, each fragment's agreed point when streaming), the optimizers' state
             is cleared and the averagers restart there (outer or block momentum from zero); the
-            next round is ``period`` steps later. Algorithms whose replicas never agree
-            (EASGD) ignore it.
+            next round is ``period`` steps later. EASGD, whose replicas never agree after a
+            round, rolls back to its center on a regression and trains through a spike;
+            EASGD rounds that keep each fragment's agreement or land late keep no center to go
+            back to and ignore it.
         collapse: the rule that says which replicas fell back to the starting loss while
             another trains on (:class:`~lightning_parallel.averaging.collapse.ReplicaCollapse`;
             ``None``: never). The caller passes every local step's loss to
@@ -240,6 +242,8 @@ class ReplicaAveraging(LossResponses):
             self._start_round(fragment, self.sync_delay)
         if due and self._in_consensus:
             self._keep_safe_point()
+        elif due and self._rolls_back_to_center:
+            self._keep_safe_point(self._center_point())  # EASGD: the center the round moved
 
     def _start_averagers(self) -> None:
         parameters = [parameter.detach() for parameter in trainable_parameters(self.module)]

@@ -2,8 +2,9 @@
 ``diloco`` and streaming DiLoCo.
 
 A replica steps on its own (``local`` = the profile's step, no gradient allreduce) and, with
-the loss rules on (``rollback_on_spike``, the default; not EASGD), all-reduces its 8-byte loss
-every step. Every ``H`` steps (``period``) a round averages the replicas:
+the loss rules on (``rollback_on_spike``, the default; EASGD where it keeps its center to roll
+back to), all-reduces its 8-byte loss every step. Every ``H`` steps (``period``) a round
+averages the replicas:
 
 - ``F`` fragments (``fragments``) each end a round every ``H`` steps at staggered phases, so a
   period holds ``F`` rounds of ``P/F`` bytes (``P``: parameter bytes);
@@ -164,13 +165,20 @@ def predict_averaging(
     algorithm = str(options.get("algorithm", "periodic"))
     period = max(1, int(options.get("period", 8)))
     fragments = max(1, int(options.get("fragments") or 1))
-    delay = int(options.get("sync_delay") or 0)
+    delay = int(options.get("sync_delay") or (1 if options.get("overlap") else 0))
     dtype = str(options.get("outer_dtype") or "fp32")
     # the loss rules' all-reduce each local step: one slot and one presence flag per replica
-    # with the collapse rule (every algorithm), else the mean alone (EASGD: no rule then);
-    # the rare replacements and roll-backs are not predicted
+    # with the collapse rule (every algorithm), else the mean alone (EASGD only where it keeps
+    # its center to roll back to on a regression: whole-model full-precision rounds applied at
+    # once, the regression rule on); the rare replacements and roll-backs are not predicted
     per_replica = bool(options.get("replace_collapsed", True))
-    mean_only = bool(options.get("rollback_on_spike", True)) and algorithm != "easgd"
+    whole_rounds = (
+        fragments == 1 and dtype == "fp32" and options.get("before_validation") != "global"
+    )
+    mean_only = bool(options.get("rollback_on_spike", True)) and (
+        algorithm != "easgd"
+        or (whole_rounds and delay == 0 and options.get("spike_regression", 1.0) is not None)
+    )
     loss_bytes = 16.0 * cluster.world if per_replica else 8.0 if mean_only else 0.0
     # the trainer's SIGTERM flag before every batch (plan.network.step_flag)
     flag = step_flag(cluster)
@@ -201,12 +209,7 @@ def predict_averaging(
     within = min(1.0, step_rounds(run, period, fragments))
     mean = mean_of_steps([(local, 1.0 - within), (round_step, within)])
     copies = EXTRA_PARAMETER_COPIES.get(algorithm, EXTRA_PARAMETER_COPIES["periodic"])
-    if (
-        fragments == 1
-        and dtype == "fp32"
-        and mean_only
-        and options.get("before_validation") != "global"
-    ):
+    if whole_rounds and mean_only:
         copies += PREVIOUS_POINT_COPIES.get(algorithm, 0.0)
     extra_bytes = copies * profile.parameter_bytes
     return Prediction(

@@ -38,8 +38,8 @@ What it guarantees, where Lightning's ``model_averaging_period`` and torch's
 6. each round sets the gauges ``rounds``, ``divergence`` (``‖x_i − x̄‖`` before averaging),
    ``bytes_per_round``, ``peak_round_bytes`` and ``round_wait_s`` in the process ledger, which
    ``CommStats`` logs (and ``loss_spikes``, ``loss_regressions``, ``rollbacks``,
-   ``synchronous_window_at`` when the loss rules act, ``outer_steps_capped`` when the outer
-   step cap shortens a step);
+   ``rollbacks_declined``, ``replicas_replaced``, ``synchronous_window_at`` when the loss
+   rules act, ``outer_steps_capped`` when the outer step cap shortens a step);
 7. a lost replica (killed, frozen, cut off; not rank 0) ends the run on every rank with an
    error naming it (``worker_loss="stop"``, the default), or is dropped
    (``worker_loss="continue"``): every collective is agreed by the survivors through the
@@ -153,8 +153,10 @@ class ModelAveragingStrategy(AveragingCheckpoints):
             the algorithm restarted there (default ``True``). One scalar per step (``2·M`` with
             ``replace_collapsed``), no other communication, two copies of the model kept (the
             point and the one before it; a third while a round inside a climb is held);
-            EASGD (whose replicas never agree) ignores it. Why and measured:
-            docs/averaging_defaults.md, "Loss spikes roll back".
+            EASGD (whose replicas never agree) goes back to its center, on a regression only
+            (whole-model full-precision rounds applied at once; not with
+            ``before_validation="global"``). Why and measured: docs/averaging_defaults.md,
+            "Loss spikes roll back" and "EASGD goes back to its center on a regression".
         replace_collapsed: a replica whose own smoothed loss falls back to where training
             started (within 7.5%) for 3 local steps, after it had left it, while another
             replica's is still 15% below, takes the healthy replicas' mean model and optimizer

@@ -204,3 +204,37 @@ def test_elastic_averaging_watches_its_replicas_too() -> None:
         return {"observes": engine.observes_loss}
 
     assert [result["observes"] for result in run_distributed(run, 2)] == [True, True]
+
+
+@pytest.mark.parametrize(
+    ("options", "regression", "observes"),
+    [
+        ({}, 1.0, True),  # whole rounds applied at once: its center is the point to go back to
+        ({}, None, False),  # spikes only: EASGD trains through them, nothing to answer
+        ({"sync_delay": 1}, 1.0, False),  # a round that lands late leaves no center
+        ({"fragments": 2}, 1.0, False),  # streaming rounds keep no whole center
+        ({"keep_agreement": True}, 1.0, False),  # before_validation="global", quantized
+    ],
+)
+def test_elastic_averaging_watches_the_mean_loss_only_where_it_keeps_its_center(
+    options: dict[str, Any], regression: float | None, observes: bool
+) -> None:
+    def run(rank: int, world: int) -> dict[str, object]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        engine = ReplicaAveraging(
+            model,
+            [optimizer],
+            ElasticAverager(beta=0.9),
+            AveragingSchedule(4),
+            build_reduction("flat"),
+            ledger=CommLedger(),
+            spike=LossSpike(regression=regression),
+            **options,
+        )
+        engine.broadcast_replicas()
+        engine.synchronize()
+        return {"observes": engine.observes_loss}
+
+    assert [result["observes"] for result in run_distributed(run, 2)] == [observes, observes]

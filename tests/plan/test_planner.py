@@ -100,10 +100,20 @@ def test_averaging_median_is_the_local_step_and_rounds_are_counted() -> None:
     )  # fmt: skip
     mean_loss = all_reduce(cluster, 8.0, element_bytes=8)
     assert mean_only.step_s == pytest.approx(profile.step_s + mean_loss.seconds + flag.seconds)
+    # EASGD watches the mean where it keeps its center to go back to: not with delayed rounds
+    easgd = _one("easgd", profile, cluster, algorithm="easgd", period=8, replace_collapsed=False)
+    assert easgd.step_s == pytest.approx(profile.step_s + mean_loss.seconds + flag.seconds)
     unwatched = _one(
-        "easgd", profile, cluster, algorithm="easgd", period=8, replace_collapsed=False
-    )
+        "easgd", profile, cluster, algorithm="easgd", period=8, replace_collapsed=False,
+        sync_delay=2,
+    )  # fmt: skip
     assert unwatched.step_s == pytest.approx(profile.step_s + flag.seconds)
+    for options in ({"overlap": True}, {"spike_regression": None}):  # late rounds; spikes only
+        alike = _one(
+            "easgd", profile, cluster, algorithm="easgd", period=8, replace_collapsed=False,
+            **options,
+        )  # fmt: skip
+        assert alike.step_s == pytest.approx(profile.step_s + flag.seconds)
     model = all_reduce(cluster, profile.parameter_bytes)
     assert averaging.wire_bytes_per_step == pytest.approx(
         model.wire_bytes / 8 + loss.wire_bytes + flag.wire_bytes
@@ -587,8 +597,9 @@ def test_hylo_sends_codes_where_the_profile_s_trial_put_the_factors_over_the_bud
 
 
 def test_averaging_counts_the_point_kept_before_a_round_where_it_is_kept() -> None:
-    # unfragmented full-precision rounds with the roll-back keep the point before a round;
-    # streaming rounds, EASGD and runs without the roll-back do not
+    # unfragmented full-precision rounds with the roll-back keep the point before a round
+    # (EASGD: its center, with rounds applied at once); streaming rounds and runs without the
+    # roll-back do not
     profile, cluster = _profile(layers=False), _cluster()
     parameters_mb = 4 * 512 * 512 * 4 / MB
 
@@ -602,4 +613,8 @@ def test_averaging_counts_the_point_kept_before_a_round_where_it_is_kept() -> No
     assert extra("diloco", algorithm="outer_optimizer", rollback_on_spike=False) == pytest.approx(
         base
     )
-    assert extra("easgd", algorithm="easgd") == pytest.approx(EXTRA_PARAMETER_COPIES["easgd"])
+    easgd = EXTRA_PARAMETER_COPIES["easgd"]
+    assert extra("easgd", algorithm="easgd") == pytest.approx(
+        easgd + PREVIOUS_POINT_COPIES["easgd"]
+    )
+    assert extra("easgd", algorithm="easgd", sync_delay=2) == pytest.approx(easgd)
