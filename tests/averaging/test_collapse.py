@@ -184,28 +184,6 @@ def test_a_collapsed_replica_takes_the_healthy_replicas_mean_and_the_schedule_go
         assert not torch.allclose(results[2]["params"], healthy_params)
 
 
-def test_elastic_averaging_watches_its_replicas_too() -> None:
-    def run(rank: int, world: int) -> dict[str, object]:
-        torch.manual_seed(0)
-        model = nn.Linear(4, 2)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        engine = ReplicaAveraging(
-            model,
-            [optimizer],
-            ElasticAverager(beta=0.9),
-            AveragingSchedule(4),
-            build_reduction("flat"),
-            ledger=CommLedger(),
-            spike=LossSpike(),
-            collapse=ReplicaCollapse(),
-        )
-        engine.broadcast_replicas()
-        engine.synchronize()
-        return {"observes": engine.observes_loss}
-
-    assert [result["observes"] for result in run_distributed(run, 2)] == [True, True]
-
-
 @pytest.mark.parametrize(
     ("options", "regression", "observes"),
     [
@@ -214,9 +192,10 @@ def test_elastic_averaging_watches_its_replicas_too() -> None:
         ({"sync_delay": 1}, 1.0, False),  # a round that lands late leaves no center
         ({"fragments": 2}, 1.0, False),  # streaming rounds keep no whole center
         ({"keep_agreement": True}, 1.0, False),  # before_validation="global", quantized
+        ({"collapse": ReplicaCollapse()}, None, True),  # the collapse rule watches each replica
     ],
 )
-def test_elastic_averaging_watches_the_mean_loss_only_where_it_keeps_its_center(
+def test_elastic_averaging_watches_the_loss_where_a_rule_can_answer(
     options: dict[str, Any], regression: float | None, observes: bool
 ) -> None:
     def run(rank: int, world: int) -> dict[str, object]:
