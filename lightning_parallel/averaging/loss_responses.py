@@ -115,10 +115,10 @@ class LossResponses(RoundExchange):
         the algorithm keeps (EASGD's center) on a regression: with the regression rule on, and
         whole-model rounds applied at once only (a delayed round, or one that keeps each
         fragment's agreement: streaming, quantized, ``before_validation="global"``, leaves no
-        such point). A spike is counted and
-        trained through: going back to the center at one cost ``vgg_mini`` (seeds 4 and 11) up
-        to 17 points, where EASGD without it trained through the spike's descent
-        (docs/averaging_defaults.md, "EASGD goes back to its center on a regression")."""
+        such point). A spike is counted and trained through: going back to the center at one
+        cost ``vgg_mini`` (seeds 4 and 11) up to 17 points, where EASGD without it trained
+        through the spike's descent (docs/averaging_defaults.md, "EASGD goes back to its center
+        on a regression")."""
         return (
             not self.averager.restarts_in_consensus
             and self.averager.keeps_agreed_point
