@@ -9,7 +9,8 @@ and answers them: a window of synchronous steps where the loss leaves its initia
 (:class:`PlateauExit`), the replacement of a replica that fell back to the starting loss by the
 healthy replicas' mean (:class:`ReplicaCollapse`), and a roll-back of every replica to the last
 agreed point after a spike or regression of the mean loss (:class:`LossSpike`): the last
-one a step has shown healthy, so a round whose own point spikes at once is not gone back to.
+one a step has shown healthy, so a round whose own point spikes at once is not gone back to
+(the points are kept by :class:`~lightning_parallel.averaging.restart_points.RestartPoints`).
 EASGD, whose replicas never agree after a round, goes back to its center (the same on every
 worker) on a regression only.
 """
@@ -17,7 +18,6 @@ worker) on a regression only.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -25,15 +25,10 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_parallel.averaging.collapse import ReplicaCollapse
-from lightning_parallel.averaging.exchange import RoundExchange
 from lightning_parallel.averaging.plateau import LossSpike, PlateauExit
-from lightning_parallel.averaging.policies import (
-    optimizer_state_tensors,
-    reset_optimizer_state,
-    round_buffers,
-)
+from lightning_parallel.averaging.policies import optimizer_state_tensors, reset_optimizer_state
 from lightning_parallel.averaging.reduction import FlatAllReduce, counted
-from lightning_parallel.averaging.rounds import Agreement
+from lightning_parallel.averaging.restart_points import RestartPoints
 
 __all__: list[str] = []
 
@@ -43,7 +38,7 @@ __all__: list[str] = []
 REGRESSION_ROLLBACKS_TO_A_POINT = 2
 
 
-class LossResponses(RoundExchange):
+class LossResponses(RestartPoints):
     """Watch the mean training loss and answer its plateau exit and its spikes.
 
     The round runner (:class:`~lightning_parallel.averaging.ReplicaAveraging`) provides
@@ -70,25 +65,10 @@ class LossResponses(RoundExchange):
         self.spike = spike
         self._rollback_due = False
         self.rollbacks = 0
-        # points to go back to kept so far, and that count at the last roll-back: a rule
-        # firing again before a new one is kept would go back to the same point, and does not
-        self._points_kept = 0
-        self._points_at_rollback: int | None = None
-        self._rollbacks_to_point = 0  # roll-backs since that count last changed
         self.rollbacks_declined = 0
         self.collapse = collapse
         self._collapsed_due: list[int] = []
-        # the last point every replica agreed on (unfragmented, exact rounds; streaming and
-        # quantized rounds keep each fragment's in ``agreements``)
-        self._safe_point: list[Tensor] | None = None
-        # the last agreed point of a climb not yet known to be transient (``_keep_safe_point``)
-        self._held_point: list[Tensor] | None = None
-        self._holding = False
-        # until a step from the newest agreed point has shown a loss that fires no rule, the
-        # point before it is kept (``_safe_point``'s, or each fragment's agreement's)
-        self._verified = True
-        self._previous_point: list[Tensor] | None = None
-        self._previous_agreements: dict[int, Agreement | None] = {}
+        self._start_keeping_points()
 
     if TYPE_CHECKING:  # the round runner's, defined by ReplicaAveraging
 
@@ -103,44 +83,6 @@ class LossResponses(RoundExchange):
             self._replace_collapsed()
         if self._window_due:
             self._open_window()
-
-    @property
-    def _no_point_since_rollback(self) -> bool:
-        """Whether a roll-back would go back to the point the last one went to."""
-        return self._points_at_rollback == self._points_kept
-
-    @property
-    def _rolls_back_to_center(self) -> bool:
-        """Whether the replicas, which do not restart in consensus, roll back to an agreed point
-        the algorithm keeps (EASGD's center) on a regression: with the regression rule on, and
-        whole-model rounds applied at once only (a delayed round, or one that keeps each
-        fragment's agreement: streaming, quantized, ``before_validation="global"``, leaves no
-        such point). A spike is counted and trained through: going back to the center at one
-        cost ``vgg_mini`` (seeds 4 and 11) up to 17 points, where EASGD without it trained
-        through the spike's descent (docs/averaging_defaults.md, "EASGD goes back to its center
-        on a regression")."""
-        return (
-            not self.averager.restarts_in_consensus
-            and self.averager.keeps_agreed_point
-            and self.spike is not None
-            and self.spike.regression is not None
-            and len(self.fragments) == 1
-            and not self._keep_agreement
-            and self.sync_delay == 0
-        )
-
-    @property
-    def _can_roll_back(self) -> bool:
-        """Whether a loss rule has an agreed point to roll every replica back to (a spike or a
-        regression; EASGD's center: a regression only)."""
-        return self.averager.restarts_in_consensus or self._rolls_back_to_center
-
-    def _center_point(self) -> list[Tensor]:
-        """The algorithm's agreed point with the round's buffers (the replicas hold the mean
-        buffers after a round), shaped like :meth:`_model_tensors`."""
-        center = self.averager.agreed_point()
-        assert center is not None
-        return [*center, *round_buffers(self.module, self.buffers)]
 
     @property
     def observes_loss(self) -> bool:
@@ -252,23 +194,8 @@ class LossResponses(RoundExchange):
         self._rollback_due = False
         self._finish_rounds()
         self._due = []
-        if self._keep_agreement and all(agreement is not None for agreement in self.agreements):
-            if not self._verified:  # the newest rounds' points spiked at once: go back before
-                for index, before in self._previous_agreements.items():
-                    if before is not None:
-                        self.agreements[index] = before
-            self._put_agreement()
-        elif self._safe_point is not None:
-            if not self._verified and self._previous_point is not None:
-                self._safe_point, self._previous_point = self._previous_point, self._safe_point
-            with torch.no_grad():
-                for tensor, saved in zip(self._model_tensors(), self._safe_point, strict=True):
-                    tensor.copy_(saved)
-        else:
+        if not self._restore_point():
             return
-        self._verified = True
-        self._previous_agreements.clear()
-        self._holding = False  # a point inside the climb is never gone back to
         if self.spike is not None:
             self.spike.restart()
         reset_optimizer_state(self.optimizers)
@@ -277,74 +204,7 @@ class LossResponses(RoundExchange):
         self.schedule.phase_origin = self.schedule.optimizer_steps
         self._in_consensus = True
         self.rollbacks += 1
-        self._rollbacks_to_point = (
-            self._rollbacks_to_point + 1 if self._no_point_since_rollback else 1
-        )
-        self._points_at_rollback = self._points_kept
         self.ledger.set_gauge("rollbacks", self.rollbacks)
-
-    def _keep_safe_point(self, point: Sequence[Tensor] | None = None) -> None:
-        """Remember the live model (replicas in consensus), or the agreed ``point`` of a round
-        that landed late, as the point to roll back to, the loss not climbing back towards
-        where training started.
-
-        A round applied ``sync_delay`` steps after it started (``overlap=True``) leaves no
-        replica at the agreed point: each keeps its steps taken meanwhile, so the point kept
-        is the round's result itself (:meth:`_delayed_round_agreed`); without it, the point
-        to roll back to stayed where local training had started.
-
-        A round inside a climb (the loss :attr:`~LossSpike.unsettled`) is held apart: a climb
-        that ends in a regression rolls back to the point from before it (a point inside may
-        already be dead), but one that settles again by itself showed that training went on
-        from the held point, which then becomes the point to roll back to. Without that, a
-        spike after a transient climb and before the next round went back to the point from
-        before the climb (``bmuf`` seed 4 on ``vgg_mini``: 33 steps, to a loss of 2.26 from
-        0.99, where the rounds 19 and 11 steps back had been held).
-
-        The point kept before stays until a step from the new one has fired no rule: a
-        spike at the first loss from a round says the round's point is itself bad, and the
-        roll-back goes to the point before it (:meth:`_roll_back`). Streaming and quantized
-        rounds keep each fragment's agreement from before its rounds the same way
-        (:meth:`_agreement_replaced`).
-        """
-        if self.spike is None or self._keep_agreement or len(self.fragments) > 1:
-            return
-        tensors = self._model_tensors() if point is None else list(point)
-        if self.spike.unsettled and self._safe_point is not None:
-            self._held_point = _copy_into(self._held_point, tensors)
-            self._holding = True
-            return
-        if self._verified:  # the point kept so far waits behind the new one until it is shown
-            self._previous_point, self._safe_point = self._safe_point, self._previous_point
-        self._safe_point = _copy_into(self._safe_point, tensors)
-        self._verified = False
-        self._holding = False
-        self._points_kept += 1
-
-    def _delayed_round_agreed(self, point: Sequence[Tensor]) -> None:
-        """A round applied late landed: its agreed point is the one to roll back to."""
-        self._keep_safe_point(point)
-
-    def _agreement_replaced(self, index: int, before: Agreement | None) -> None:
-        """Keep fragment ``index``'s agreed point from before its newest round until a step
-        has shown the new one healthy (the first after any round since the last such step)."""
-        if self.spike is None or not self.averager.restarts_in_consensus:
-            return  # no roll-back: nothing to go back to (EASGD's replicas never agree)
-        self._previous_agreements.setdefault(index, before)
-        self._verified = False
-        self._points_kept += 1
-
-    def _forget_earlier_points(self) -> None:
-        """The replicas agree where local training (re)starts: nothing before it is gone back
-        to (after a synchronous window, the window's end)."""
-        self._verified = True
-        self._previous_agreements.clear()
-
-    def _release_held_point(self) -> None:
-        """The climb has settled without a roll-back: the point held inside it is safe."""
-        self._safe_point, self._held_point = self._held_point, self._safe_point
-        self._holding = False
-        self._points_kept += 1
 
     def _open_window(self) -> None:
         """Every replica takes the mean model and optimizer state; the next ``window_steps``
@@ -373,15 +233,8 @@ class LossResponses(RoundExchange):
                 **self.spike.state_dict(),
                 "rollback_due": self._rollback_due,
                 "rollbacks": self.rollbacks,
-                "points_kept": self._points_kept,
-                "points_at_rollback": self._points_at_rollback,
-                "rollbacks_to_point": self._rollbacks_to_point,
                 "rollbacks_declined": self.rollbacks_declined,
-                "verified": self._verified,
-                "previous_agreements": {
-                    index: None if before is None else before.state_dict()
-                    for index, before in self._previous_agreements.items()
-                },
+                **self._points_state(),
             }
         if self.collapse is not None:
             state["collapse"] = {**self.collapse.state_dict(), "due": list(self._collapsed_due)}
@@ -399,53 +252,9 @@ class LossResponses(RoundExchange):
             self.spike.load_state_dict(saved)
             self._rollback_due = bool(saved.get("rollback_due", False))
             self.rollbacks = int(saved.get("rollbacks", 0))
-            self._points_kept = int(saved.get("points_kept", 0))
-            at = saved.get("points_at_rollback")
-            self._points_at_rollback = None if at is None else int(at)
-            self._rollbacks_to_point = int(saved.get("rollbacks_to_point", 0 if at is None else 1))
             self.rollbacks_declined = int(saved.get("rollbacks_declined", 0))
-            self._verified = bool(saved.get("verified", True))
-            device = self._device()
-            self._previous_agreements = {
-                int(index): None if before is None else Agreement.from_state_dict(before, device)
-                for index, before in (saved.get("previous_agreements") or {}).items()
-            }
+            self._load_points_state(saved)
         saved = state.get("collapse")
         if self.collapse is not None and saved is not None:
             self.collapse.load_state_dict(saved)
             self._collapsed_due = [int(i) for i in saved.get("due", [])]
-
-    def local_state_dict(self) -> dict[str, Any]:
-        """:meth:`ReplicaState.local_state_dict` with the point a loss spike rolls back to."""
-        state = super().local_state_dict()
-        if self._safe_point is not None:
-            state["safe_point"] = [tensor.clone() for tensor in self._safe_point]
-        if self._holding and self._held_point is not None:
-            state["held_point"] = [tensor.clone() for tensor in self._held_point]
-        if not self._verified and self._previous_point is not None:
-            state["previous_point"] = [tensor.clone() for tensor in self._previous_point]
-        return state
-
-    def load_local_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`local_state_dict`."""
-        super().load_local_state_dict(state)
-        device = self._device()
-        saved = state.get("safe_point")
-        if saved is not None:
-            self._safe_point = [tensor.to(device) for tensor in saved]
-        previous = state.get("previous_point")
-        self._previous_point = None if previous is None else [t.to(device) for t in previous]
-        held = state.get("held_point")
-        self._holding = held is not None
-        if held is not None:
-            self._held_point = [tensor.to(device) for tensor in held]
-
-
-def _copy_into(saved: list[Tensor] | None, tensors: list[Tensor]) -> list[Tensor]:
-    """``tensors``' values in ``saved`` (cloned when there is none yet)."""
-    if saved is None:
-        return [tensor.detach().clone() for tensor in tensors]
-    with torch.no_grad():
-        for kept, tensor in zip(saved, tensors, strict=True):
-            kept.copy_(tensor)
-    return saved
