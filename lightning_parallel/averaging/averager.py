@@ -42,6 +42,14 @@ class Averager(ABC):
         a regression of the loss rolls every replica back to a kept one."""
         return None
 
+    def mean_of_restarts(self, mean: Sequence[Tensor]) -> list[Tensor] | None:
+        """The mean over the workers of the points the next :meth:`update` with this ``mean``
+        restarts them from, where the algorithm can tell it without an exchange (EASGD's
+        restarts are affine in each replica, so their mean follows from ``x̄``); ``None``
+        otherwise. Called before that :meth:`update`; averagers whose workers restart in
+        consensus need not say (the restart point is the consensus)."""
+        return None
+
     def __init__(self) -> None:
         self.world_size: int | None = None
 

@@ -90,6 +90,18 @@ class ElasticAverager(Averager):
         kept one."""
         return self.center if self.started else None
 
+    def mean_of_restarts(self, mean: Sequence[Tensor]) -> list[Tensor]:
+        """The replicas' mean right after the next round, ``lerp(x̄, c, α)``, where ``c`` is the
+        center the workers are pulled toward (the moved one when ``center_first``): the mean of
+        ``x_i + α·(c − x_i)`` is ``x̄ + α·(c − x̄)``. A validation right after a round takes it
+        instead of exchanging the replicas once more."""
+        alpha = self.alpha
+        restarts = []
+        for center, average in zip(self.center, mean, strict=True):
+            pull = torch.lerp(center, average, self.beta) if self.center_first else center
+            restarts.append(torch.lerp(average, pull, alpha))
+        return restarts
+
     def update(self, local: Sequence[Tensor], mean: Sequence[Tensor]) -> list[Tensor]:
         alpha = self.alpha
         restart = []

@@ -30,6 +30,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from lightning_parallel.averaging.averager import Averager
 from lightning_parallel.averaging.flat import FlatLayout
 from lightning_parallel.averaging.fragments import Fragment, flat_delta
 from lightning_parallel.averaging.policies import (
@@ -192,6 +193,9 @@ class RoundExchange(ReplicaState):
             self.last_divergence = math.sqrt(squared)
             self.ledger.set_gauge("divergence", self.last_divergence)
             averager = self.averagers[index]
+            moved = self.schedule.optimizer_steps > current.started_at
+            if self._watch_round_mean:
+                self._round_mean = self._mean_after(current, averager, mean, moved)
             targets = averager.update(local_parameters, mean_parameters) + mean[count:]
             self._gauge_averagers()
             live, _, _ = self._fragment_tensors(self.fragments[index])
@@ -200,7 +204,6 @@ class RoundExchange(ReplicaState):
                     "the model or optimizer state changed shape during a round of averaging; "
                     "do not add parameters or optimizer state while training with averaging"
                 )
-            moved = self.schedule.optimizer_steps > current.started_at
             land(live, current.snapshot, targets, moved, self.fragment_update_alpha)
             if (
                 current.apply_at > current.started_at  # delayed: synchronize does not keep it
@@ -225,6 +228,27 @@ class RoundExchange(ReplicaState):
         if self.optimizer_state == "reset":
             only = None if len(self.fragments) == 1 else live[:count]
             reset_optimizer_state(self.optimizers, only)
+
+    def _mean_after(
+        self, current: Round, averager: Averager, mean: list[Tensor], moved: bool
+    ) -> list[Tensor] | None:
+        """The replicas' mean (parameters, then round buffers) once ``current`` lands, where it
+        follows from the round's ``mean`` alone: an exact whole-model round landing before any
+        step was taken (no quantized delta, no compressor's route), whose averager can tell
+        (:meth:`~lightning_parallel.averaging.Averager.mean_of_restarts`: EASGD). The buffers
+        land as their mean on every replica."""
+        if (
+            moved
+            or len(self.fragments) > 1
+            or current.delta is not None
+            or current.parameter_means is not None
+        ):
+            return None
+        count = current.num_parameters
+        restarts = averager.mean_of_restarts(mean[:count])
+        if restarts is None:
+            return None
+        return restarts + mean[count : count + current.num_buffers]
 
     def _gauge_averagers(self) -> None:
         """Set the averagers' own gauges, each summed over the fragments

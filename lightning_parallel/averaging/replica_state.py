@@ -61,6 +61,11 @@ class ReplicaState:
         # Whether every replica (parameters and round buffers) is known to be identical, so
         # that their mean is the live model and evaluating or saving it needs no communication.
         self._in_consensus = False
+        # Set by an evaluation while it runs its rounds: the replicas' mean after the last
+        # round landed then, where that round's mean tells it (EASGD), so that evaluating the
+        # mean needs no exchange of its own; None otherwise.
+        self._watch_round_mean = False
+        self._round_mean: list[Tensor] | None = None
 
     @property
     def averager(self) -> Averager:
@@ -170,12 +175,13 @@ class ReplicaState:
                 for i, value in zip(fragment.buffers, agreement.buffers or [], strict=False):
                     buffers[i].copy_(value)
 
-    def swap_in_mean(self) -> None:
-        """Put the replicas' mean into the model for validation (undo: :meth:`restore_replica`)."""
+    def swap_in_mean(self, known: Sequence[Tensor] | None = None) -> None:
+        """Put the replicas' mean into the model for validation (undo: :meth:`restore_replica`);
+        ``known``: that mean, already known on every rank (no exchange)."""
         if self._swapped is not None:
             return
         tensors = self._model_tensors()
-        means = self._mean(tensors)
+        means = list(known) if known is not None else self._mean(tensors)
         with torch.no_grad():
             self._swapped = [(tensor, tensor.detach().clone()) for tensor in tensors]
             self._swapped_mean = True

@@ -292,39 +292,57 @@ class ReplicaAveraging(LossResponses):
             average_first: the same as ``policy="round"`` (``True``) or ``"mean"`` (``False``).
             policy: ``"round"``: run a round now if local steps were taken since the last one
                 (every fragment's, when fragmented; the evaluated model is then the model
-                training continues from, and the round's exchange is the only communication);
-                ``"mean"``: evaluate the mean of the replicas without changing them (one extra
-                exchange; training is unaffected); ``"global"``: evaluate every fragment's last
+                training continues from, and the round's exchange is the only communication;
+                EASGD's replicas do not agree after a round: their mean is evaluated, which
+                follows from the round's mean without another exchange, unless the model is
+                streamed or quantized); ``"mean"``: evaluate the mean of the replicas without
+                changing them (one extra exchange, none for EASGD when a round landed at this
+                step boundary; training is unaffected); ``"global"``: evaluate every fragment's last
                 agreed point (the replicas' restart point: DiLoCo's global model; EASGD's mean),
                 with no communication; before every fragment has had a round, the mean.
         """
         policy = policy if policy is not None else ("round" if average_first else "mean")
-        self.synchronize()
+        self._watch_round_mean, self._round_mean = True, None
+        try:
+            self.synchronize()
+            if policy == "global" and self._swap_in_agreement():
+                return
+            if policy == "round":
+                self._round_before_evaluation()
+            known = self._round_mean  # EASGD right after its round: the mean without exchange
+        finally:
+            self._watch_round_mean, self._round_mean = False, None
+        if not self._in_consensus:
+            self.swap_in_mean(known)
+
+    def _swap_in_agreement(self) -> bool:
+        """Swap every fragment's agreed point in for evaluation, if every fragment has one and
+        the replicas do not agree already; whether it did."""
         agreed = self.averager.started and all(
             agreement is not None and agreement.buffers is not None for agreement in self.agreements
         )
-        if policy == "global" and agreed and self._swapped is None and not self._in_consensus:
-            tensors = self._model_tensors()
-            self._swapped = [(tensor, tensor.detach().clone()) for tensor in tensors]
-            self._swapped_mean = False
-            self._put_agreement()
+        if not agreed or self._swapped is not None or self._in_consensus:
+            return False
+        tensors = self._model_tensors()
+        self._swapped = [(tensor, tensor.detach().clone()) for tensor in tensors]
+        self._swapped_mean = False
+        self._put_agreement()
+        return True
+
+    def _round_before_evaluation(self) -> None:
+        """Run a round (of every fragment) if local steps were taken since the last one."""
+        if len(self.fragments) > 1 and self.averager.started:
+            if self.schedule.phase_step > 0 or self._rounds:
+                self._round_of_every_fragment()
             return
-        if policy == "round":
-            if len(self.fragments) > 1 and self.averager.started:
-                if self.schedule.phase_step > 0 or self._rounds:
-                    self._round_of_every_fragment()
-            else:
-                self._finish_rounds()  # nothing moved since they started: applied as they are
-                if (
-                    self.averager.averages_during_training
-                    and self.averager.started
-                    and self.schedule.local_steps > 0
-                ):
-                    self._due = []
-                    # not a point to go back to (_keep_safe_point): a short round at the
-                    # epoch's end, not the schedule's (diloco on vgg_mini, seed 4: its loss
-                    # blew up again from there and the run ended at 0.775, from the
-                    # schedule's round before at 0.900)
-                    self._start_round(0, 0)
-        if not self._in_consensus:
-            self.swap_in_mean()
+        self._finish_rounds()  # nothing moved since they started: applied as they are
+        if (
+            self.averager.averages_during_training
+            and self.averager.started
+            and self.schedule.local_steps > 0
+        ):
+            self._due = []
+            # not a point to go back to (_keep_safe_point): a short round at the epoch's end,
+            # not the schedule's (diloco on vgg_mini, seed 4: its loss blew up again from
+            # there and the run ended at 0.775, from the schedule's round before at 0.900)
+            self._start_round(0, 0)

@@ -84,7 +84,7 @@ def _rounds_in(steps: int, period: int, fragments: int) -> int:
     return sum((steps - phase) // period + 1 for phase in phases if phase <= steps)
 
 
-def round_counts(run: RunLength, period: int, fragments: int, consensus: bool = True) -> float:
+def round_counts(run: RunLength, period: int, fragments: int) -> float:
     """Fragment rounds per step (a fragment round sends ``P/F`` bytes).
 
     Steady state: ``F/H``. Over a run of ``N`` steps with epochs of ``E`` steps, before each
@@ -96,9 +96,9 @@ def round_counts(run: RunLength, period: int, fragments: int, consensus: bool = 
       since the phases started, which is every epoch (measured: streaming DiLoCo on ``gpt``,
       40 steps, epochs of 32 and 16 on 4 and 8 hosts: 13 and 17 fragment rounds' bytes
       counted, where 9 were counted without them);
-    - replicas not in consensus after a round (EASGD, ``consensus=False``): the validation
-      takes the replicas' mean, one more exchange of the model (measured: 10 and 11 rounds'
-      bytes in 40 steps of period 4 on 4 and 8 hosts).
+    - EASGD's replicas differ after a round, but an exact whole-model round gives their mean
+      (:meth:`~lightning_parallel.averaging.Averager.mean_of_restarts`): nothing more is sent
+      (streamed or quantized, see :func:`validation_means`).
 
     A round due at the run's last step, and the average at the end of ``fit``, come after the
     bench reads the interface counter, so they are not counted (measured: ``model_averaging``
@@ -114,11 +114,21 @@ def round_counts(run: RunLength, period: int, fragments: int, consensus: bool = 
             total += fragments
         else:
             total += 1 if epoch % period else 0
-            total += 0 if consensus else 1
         left -= epoch
     # a round that ends with the run's last step is exchanged after the bench reads the counter
     total += _rounds_in(left - 1, period, fragments)
     return total / run.steps
+
+
+def validation_means(run: RunLength) -> float:
+    """Validations per step that exchange the replicas' mean in full precision: EASGD's with
+    streamed or quantized rounds, after which the replicas differ and the round's own mean
+    does not give theirs (one per validated epoch ended before the run's last step; measured
+    before exact rounds gave it: 10 and 11 rounds' bytes in 40 steps of period 4 on 4 and 8
+    hosts, where the schedule ran 9 and 10)."""
+    if not run.steps or not run.epoch_steps:
+        return 0.0
+    return ((run.steps - 1) // run.epoch_steps) / run.steps
 
 
 def step_rounds(run: RunLength, period: int, fragments: int) -> float:
@@ -197,8 +207,11 @@ def predict_averaging(
         transfer = round_transfer(cluster, profile.parameter_bytes / fragments, dtype)
         if buffers:
             transfer = _joined(transfer, all_reduce(cluster, buffers / fragments))
-    rounds = round_counts(run, period, fragments, consensus=algorithm != "easgd")
-    traffic.add(transfer, times=rounds, waited=False)
+    traffic.add(transfer, times=round_counts(run, period, fragments), waited=False)
+    if algorithm == "easgd" and (fragments > 1 or dtype != "fp32"):
+        # its replicas differ after a streamed or quantized round: a validation's mean
+        model = all_reduce(cluster, profile.parameter_bytes + buffers)
+        traffic.add(model, times=validation_means(run), waited=False)
     work = profile.optimizer_s * (2.0 if algorithm in _OUTER else 1.0) / fragments
     waited = max(0.0, transfer.seconds - delay * local)
     round_step = local + work + waited

@@ -191,9 +191,11 @@ class ModelAveragingStrategy(AveragingCheckpoints):
         outer_error_feedback: keep what ``outer_dtype`` dropped and send it with the same
             fragment's next round (default ``False``).
         before_validation: ``"round"`` (default): a validation that follows local steps first
-            runs a round (of every fragment), validates the model training continues from, and
-            the next round comes ``period`` steps later (the fragments staggered again from
-            there; no extra communication; how often you validate shapes the schedule);
+            runs a round (of every fragment), validates the model training continues from
+            (EASGD's: the replicas' mean, which an exact round's mean gives; streamed or
+            quantized, one more exchange), and the next round comes ``period`` steps later
+            (the fragments staggered again from there; no extra communication; how often you
+            validate shapes the schedule);
             ``"mean"``: validate the mean of the replicas and restore each replica afterwards
             (one extra full-precision model exchange per validation; training is independent
             of validation); ``"global"``: validate every fragment's last agreed point (the

@@ -403,3 +403,63 @@ def test_a_resume_puts_the_averager_and_the_pending_round_on_the_models_device()
     """The checkpoint and the replica file are loaded onto the CPU; the model here lives on
     ``meta`` (standing for a GPU): the averager's state and the round in flight move to it."""
     assert run_distributed(_resume_on_meta, 1) == [{"meta"}]
+
+
+@pytest.mark.parametrize("center_first", [True, False])
+def test_easgd_evaluates_its_replicas_mean_from_the_rounds_mean_without_an_exchange(
+    center_first: bool,
+) -> None:
+    """EASGD's replicas do not agree after a round, but their mean follows from the round's
+    mean: a validation right after a round (its own, or one the schedule ended) evaluates the
+    replicas' mean with the round's exchange alone; after a local step it exchanges once."""
+
+    def run(rank: int, world: int) -> dict[str, bool]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3), nn.Linear(3, 2))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        engine = _engine(model, optimizer, ElasticAverager(center_first=center_first), period=4)
+        calls = [0]
+        all_reduce = engine.reduction.all_reduce
+
+        def counting(*args: object, **kwargs: object) -> object:
+            calls[0] += 1
+            return all_reduce(*args, **kwargs)  # type: ignore[arg-type]
+
+        engine.reduction.all_reduce = counting  # type: ignore[method-assign]
+        engine.broadcast_replicas()
+
+        def model_tensors() -> Tensor:
+            return torch.cat(
+                [
+                    t.detach().reshape(-1).double()
+                    for t in model.state_dict().values()
+                    if t.is_floating_point()
+                ]
+            )
+
+        def evaluate(name: str, **policy: object) -> None:
+            before = calls[0]
+            engine.prepare_evaluation(**policy)  # type: ignore[arg-type]
+            results[f"{name}-exchanges"] = calls[0] - before == 1
+            evaluated = model_tensors()
+            engine.restore_replica()
+            mean = model_tensors()
+            torch.distributed.all_reduce(mean)
+            results[f"{name}-is-the-mean"] = torch.allclose(evaluated, mean / world, atol=1e-6)
+            results[f"{name}-replicas-differ"] = not engine.in_consensus
+
+        results: dict[str, bool] = {}
+        _train_steps(engine, model, optimizer, rank, range(3))
+        evaluate("own-round")  # the round it runs, nothing more
+        results["own-round-ran"] = engine.rounds == 1
+        _train_steps(engine, model, optimizer, rank, range(3, 7))  # the 4th step ends a round
+        evaluate("scheduled-round")  # lands as the validation starts; no round of its own
+        results["scheduled-round-ran"] = engine.rounds == 2
+        _train_steps(engine, model, optimizer, rank, range(7, 8))
+        evaluate("mean-after-a-step", average_first=False)  # one exchange: the mean
+        results["no-round"] = engine.rounds == 2
+        return results
+
+    for results in run_distributed(run, 3):
+        failed = [name for name, ok in results.items() if not ok]
+        assert not failed, failed

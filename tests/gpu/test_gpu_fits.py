@@ -45,8 +45,8 @@ def _strategy(family: str, where: dict[str, Any]) -> tuple[Any, dict[str, Any], 
     from lightning_parallel.strategies.parameter_server import ParameterServerStrategy
     from lightning_parallel.strategies.spectrain import SpecTrainStrategy
 
-    common = {"start_method": "spawn", **where}
-    hylo = {"min_compress_numel": 64, "warmup_steps": 1}
+    common: dict[str, Any] = {"start_method": "spawn", **where}
+    hylo: dict[str, Any] = {"min_compress_numel": 64, "warmup_steps": 1}
     if family == "ddp":
         return DDPStrategy(**common), {}, []
     if family == "hylo":
@@ -68,14 +68,14 @@ def _strategy(family: str, where: dict[str, Any]) -> tuple[Any, dict[str, Any], 
     if family == "diloco_streaming_int8":  # fragments, a delayed round, quantized deltas
         from lightning_parallel.strategies.model_averaging import ModelAveragingStrategy
 
-        streaming = {"fragments": 2, "sync_delay": 1, "outer_dtype": "int8"}
+        streaming: dict[str, Any] = {"fragments": 2, "sync_delay": 1, "outer_dtype": "int8"}
         return ModelAveragingStrategy("diloco", period=2, **streaming, **common), {}, []
     if family == "diloco_continue":  # every collective agreed on the survivors' lanes
         from lightning_parallel.strategies.model_averaging import ModelAveragingStrategy
 
         # over gloo also on several GPUs: an NCCL communicator does not survive a lost peer
-        loss = {"worker_loss": "continue", "heartbeat_timeout": 10.0}
-        options = {**common, "process_group_backend": "gloo"}
+        loss: dict[str, Any] = {"worker_loss": "continue", "heartbeat_timeout": 10.0}
+        options: dict[str, Any] = {**common, "process_group_backend": "gloo"}
         return ModelAveragingStrategy("diloco", period=2, **loss, **options), {}, []
     if family.startswith("preset:"):  # model_averaging and its registered presets
         entry = StrategyRegistry[family.removeprefix("preset:")]

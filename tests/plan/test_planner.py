@@ -145,9 +145,32 @@ def test_round_counts_over_a_run() -> None:
     # fragmented, every validation runs a round of every fragment, then the phases restart:
     # 40 steps in epochs of 32 (streaming DiLoCo on gpt, 4 hosts) are 8 + 4 + 1 rounds
     assert round_counts(RunLength(steps=40, epoch_steps=32), 16, 4) == 13 / 40
-    # EASGD's replicas are not in consensus after a round: each validation exchanges the mean
-    assert round_counts(RunLength(steps=40, epoch_steps=32), 4, 1, consensus=False) == 10 / 40
     assert round_counts(RunLength(steps=40, epoch_steps=32), 4, 1) == 9 / 40
+
+
+def test_easgd_s_validations_exchange_only_where_its_rounds_are_quantized() -> None:
+    """Exact EASGD rounds give the replicas' mean after them: a validation sends nothing more
+    than the round before it (as periodic averaging); after streamed or quantized ones each
+    validation exchanges the mean in full precision (one in 40 steps of epochs of 32)."""
+    profile, cluster, run = _profile(), _cluster(), RunLength(steps=40, epoch_steps=32)
+
+    def wire(spec: str, **options: object) -> float:
+        name = spec.partition(":")[0]
+        (prediction,) = predict(profile, cluster, [(spec, name, dict(options))], run)
+        return prediction.wire_bytes_per_step
+
+    common = {"period": 4, "replace_collapsed": False, "rollback_on_spike": False}
+    periodic = wire("model_averaging", algorithm="periodic", **common)
+    assert wire("easgd", algorithm="easgd", **common) == pytest.approx(periodic)
+    quantized = {**common, "outer_dtype": "int8"}
+    extra = all_reduce(cluster, profile.parameter_bytes).wire_bytes / 40  # one validation
+    assert wire("easgd", algorithm="easgd", **quantized) == pytest.approx(
+        wire("model_averaging", algorithm="periodic", **quantized) + extra
+    )
+    streamed = {**common, "period": 8, "fragments": 2}
+    assert wire("easgd", algorithm="easgd", **streamed) == pytest.approx(
+        wire("model_averaging", algorithm="periodic", **streamed) + extra
+    )
 
 
 def test_the_parameter_server_mixes_fast_local_and_slow_remote_steps() -> None:
