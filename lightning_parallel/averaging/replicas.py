@@ -298,7 +298,8 @@ class ReplicaAveraging(LossResponses):
                 streamed or quantized); ``"mean"``: evaluate the mean of the replicas without
                 changing them (one extra exchange, none for EASGD when a round landed at this
                 step boundary; training is unaffected); ``"global"``: evaluate every fragment's last
-                agreed point (the replicas' restart point: DiLoCo's global model; EASGD's mean),
+                agreed point (the replicas' restart point: DiLoCo's global model; EASGD's: the
+                round's mean before the pull, not the replicas' mean after it),
                 with no communication; before every fragment has had a round, the mean.
         """
         policy = policy if policy is not None else ("round" if average_first else "mean")

@@ -122,8 +122,9 @@ def round_counts(run: RunLength, period: int, fragments: int) -> float:
 
 def validation_means(run: RunLength) -> float:
     """Validations per step that exchange the replicas' mean in full precision: EASGD's with
-    streamed or quantized rounds, after which the replicas differ and the round's own mean
-    does not give theirs (one per validated epoch ended before the run's last step; measured
+    streamed or quantized rounds (unless ``before_validation="global"``, which validates the
+    agreed points), after which the replicas differ and the round's own mean does not give
+    theirs (one per validated epoch ended before the run's last step; measured
     before exact rounds gave it: 10 and 11 rounds' bytes in 40 steps of period 4 on 4 and 8
     hosts, where the schedule ran 9 and 10)."""
     if not run.steps or not run.epoch_steps:
@@ -208,7 +209,11 @@ def predict_averaging(
         if buffers:
             transfer = _joined(transfer, all_reduce(cluster, buffers / fragments))
     traffic.add(transfer, times=round_counts(run, period, fragments), waited=False)
-    if algorithm == "easgd" and (fragments > 1 or dtype != "fp32"):
+    if (
+        algorithm == "easgd"
+        and (fragments > 1 or dtype != "fp32")
+        and options.get("before_validation") != "global"  # it validates the agreed points
+    ):
         # its replicas differ after a streamed or quantized round: a validation's mean
         model = all_reduce(cluster, profile.parameter_bytes + buffers)
         traffic.add(model, times=validation_means(run), waited=False)

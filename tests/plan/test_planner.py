@@ -171,6 +171,11 @@ def test_easgd_s_validations_exchange_only_where_its_rounds_are_quantized() -> N
     assert wire("easgd", algorithm="easgd", **streamed) == pytest.approx(
         wire("model_averaging", algorithm="periodic", **streamed) + extra
     )
+    # before_validation="global" validates the fragments' agreed points: no mean is exchanged
+    agreed = {**streamed, "before_validation": "global"}
+    assert wire("easgd", algorithm="easgd", **agreed) == pytest.approx(
+        wire("model_averaging", algorithm="periodic", **agreed)
+    )
 
 
 def test_the_parameter_server_mixes_fast_local_and_slow_remote_steps() -> None:
