@@ -126,7 +126,7 @@ def validation_means(run: RunLength) -> float:
     agreed points), after which the replicas differ and the round's own mean does not give
     theirs (one per validated epoch ended before the run's last step; measured
     before exact rounds gave it: 10 and 11 rounds' bytes in 40 steps of period 4 on 4 and 8
-    hosts, where the schedule ran 9 and 10)."""
+    hosts, 9 rounds each and 1 and 2 validations in epochs of 32 and 16)."""
     if not run.steps or not run.epoch_steps:
         return 0.0
     return ((run.steps - 1) // run.epoch_steps) / run.steps

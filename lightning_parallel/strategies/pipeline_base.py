@@ -9,12 +9,8 @@ data-parallel groups of ``stages`` pipeline stages. It owns what does not depend
    device rule of :mod:`lightning_parallel.comm.devices`), and per-group samplers;
 2. **assembly**, before the first training batch (:meth:`on_train_batch_start`, so that the
    optimizer Lightning steps is already the rebuilt one) or at the first evaluation batch: the
-   stage-0 model input is captured by calling the user's step with ``forward`` patched
-   (:mod:`~lightning_parallel.pipeline.patching`), the model becomes a layer chain
-   (:mod:`~lightning_parallel.pipeline.stages`), the boundaries are chosen and the rank *takes
-   ownership* of its stage (:mod:`~lightning_parallel.pipeline.assembly`): the other stages'
-   tensors go to ``meta``, a deferred (meta) stage is materialized, and the optimizer is
-   rebuilt over the owned parameters with its hyperparameters and schedulers kept;
+   model becomes a layer chain, the boundaries are chosen and the rank *takes ownership* of
+   its stage: the inherited :class:`~.pipeline_assembly.PipelineAssembly`;
 3. **the user's code**: ``training_step``/``validation_step`` called with ``forward`` patched to
    return the pipeline's output on the last stage (the training step, ``backward`` and clipping
    by norm: the inherited :class:`~.pipeline_training.PipelineTraining`; evaluation as
@@ -34,7 +30,7 @@ and :meth:`hand_back_gradients`, and Lightning's own ``optimizer_step``.
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -50,44 +46,14 @@ from typing_extensions import override
 
 from lightning_parallel.comm.devices import side_group, to_group
 from lightning_parallel.comm.modules import broadcast_module_states, reduce_tensor
-from lightning_parallel.compat.private import attached_trainer, unwrapped_optimizer
-from lightning_parallel.pipeline.assembly import (
-    Pipeline,
-    assemble,
-    check_arguments,
-    check_forward_is_layers,
-    choose_boundaries,
-    normal_tensors,
-)
+from lightning_parallel.pipeline.assembly import check_arguments
 from lightning_parallel.pipeline.device_moves import move_real
-from lightning_parallel.pipeline.discovery import (
-    SplitTarget,
-    discover,
-    named_target,
-    split_point_boundaries,
-    static_target,
-)
-from lightning_parallel.pipeline.export_split import (
-    FlatCall,
-    split_layers,
-    stage_zero_inputs,
-)
-from lightning_parallel.pipeline.grad_sync import PartitionGradientSync
-from lightning_parallel.pipeline.ownership import (
-    TensorNames,
-    TensorSlot,
-    repoint,
-    restrict_optimizers,
-    tensor_slots,
-)
+from lightning_parallel.pipeline.discovery import SplitTarget, named_target
+from lightning_parallel.pipeline.export_split import FlatCall
+from lightning_parallel.pipeline.ownership import TensorSlot
 from lightning_parallel.pipeline.partition import PartitionPlan
-from lightning_parallel.pipeline.patching import capture_call, patched
-from lightning_parallel.pipeline.schedule import Schedule
-from lightning_parallel.pipeline.stages import (
-    is_deferred,
-    put_back,
-    split_stages,
-)
+from lightning_parallel.pipeline.patching import patched
+from lightning_parallel.pipeline.stages import is_deferred
 from lightning_parallel.pipeline.summary import point_metrics_at
 from lightning_parallel.pipeline.timeline import TimelineEvent, gather_timeline, save_timeline
 from lightning_parallel.pipeline.topology import (
@@ -95,13 +61,13 @@ from lightning_parallel.pipeline.topology import (
     ProcessGroups,
     build_process_groups,
 )
-from lightning_parallel.strategies.pipeline_evaluation import PipelineEvaluation
+from lightning_parallel.strategies.pipeline_assembly import PipelineAssembly
 from lightning_parallel.strategies.pipeline_training import check_trainable
 
 __all__ = ["PipelineStrategyBase"]
 
 
-class PipelineStrategyBase(PipelineEvaluation):
+class PipelineStrategyBase(PipelineAssembly):
     """The shared Lightning integration of the pipeline strategies (see the module docstring).
 
     Args:
@@ -130,11 +96,6 @@ class PipelineStrategyBase(PipelineEvaluation):
 
     reports_communication = True
     wraps_in_ddp = False  # no DistributedDataParallel: its keywords are refused
-    flushes = True  # every step ends with the pipeline drained (SpecTrain's never is)
-    #: the recomputation mode the runtime and the partitioner assume (GroPipe's ``recompute``)
-    recompute: str = "never"
-    #: the schedule the partitioner models (GroPipe's; ``None``: 1F1B)
-    schedule: Schedule | None = None
     #: where each (group, stage) runs (an engine may number its ranks otherwise)
     topology_kind: type[PipelineTopology] = PipelineTopology
 
@@ -198,11 +159,6 @@ class PipelineStrategyBase(PipelineEvaluation):
     def groups(self) -> int:
         """Data-parallel groups ``g = world_size / stages``."""
         return max(self.world_size // self.stages, 1)
-
-    @property
-    def boundaries(self) -> list[int] | None:
-        """The layer index where each stage after the first starts, once chosen (setup)."""
-        return None if self._boundaries is None else list(self._boundaries)
 
     @property
     def _placement(self) -> PipelineTopology:
@@ -299,133 +255,6 @@ class PipelineStrategyBase(PipelineEvaluation):
 
     def prepare_module(self, module: pl.LightningModule, fitting: bool) -> None:
         """Convert layers before the optimizers exist (an engine's hook; default: nothing)."""
-
-    def put_back_layers(self, originals: Mapping[nn.Module, nn.Module]) -> None:
-        """Refer to ``originals[m]`` wherever the layers kept for the next run refer to a
-        replacement ``m`` (one walk over them): an engine calls it when it puts back layers it
-        replaced for one run (GroPipe's deferred BatchNorm). The layers are kept across runs
-        (a traced body cannot be traced again once other stages' tensors are released), so
-        without this the next run (``validate`` after ``fit``) would build its stages from the
-        replacements, whose tensors a device move (CUDA to the CPU and back) has left behind."""
-        if self._layers is None or not originals:
-            return
-        self._layers = put_back(self._layers, originals)
-
-    def held_elsewhere(self) -> list[nn.Module]:
-        """Modules outside the model that refer to its tensors (layers an engine replaced and
-        will put back); ownership moves their tensors too (an engine's hook; default: none)."""
-        return []
-
-    # -- assembly ----------------------------------------------------------------------------
-
-    @property
-    def _body(self) -> nn.Module:
-        """The module the pipeline splits (:mod:`~lightning_parallel.pipeline.discovery`):
-        before the step has run, the ``LightningModule`` where only the step can tell."""
-        module = self.lightning_module
-        assert module is not None
-        target = self._target or static_target(module, self.split_module)
-        return module if target is None else target.module
-
-    @override
-    def capture(self, hook: str, micro_batch: Any, hook_args: Sequence[Any]) -> tuple[Any, ...]:
-        """The positional arguments the user's ``hook`` passes to the split module's
-        ``forward`` (which module that is, decided on the first call)."""
-        module = self.lightning_module
-        assert module is not None
-        if self._target is None:
-            target = static_target(module, self.split_module)
-            self._target = target or discover(module, hook, micro_batch, hook_args)
-        args, kwargs = capture_call(module, self._target.module, hook, micro_batch, hook_args)
-        self._call, inputs = stage_zero_inputs(self._call, self._layers is not None, args, kwargs)
-        return inputs
-
-    @override
-    def ensure_pipeline(self, example_args: tuple[Any, ...]) -> Pipeline:
-        """Build this rank's part of the pipeline (once) from one micro-batch's model input."""
-        if self._pipeline is not None:
-            return self._pipeline
-        module = self.lightning_module
-        assert module is not None and self._topology is not None and self._groups is not None
-        body = self._body
-        with torch.inference_mode(False), torch.enable_grad():
-            example = normal_tensors(example_args)
-            assert self._target is not None
-            if self._target.how == "layers" and not is_deferred(module):
-                check_forward_is_layers(module, body, example)
-            if self._layers is None:
-                self._layers, self._call, example = split_layers(body, example, self._call)
-                self._layer_slots = tensor_slots(self._layers, module)
-            else:  # a later run: the model's tensors may be new ones (gathered, moved)
-                repoint(self._layer_slots, module)
-            layers = self._layers
-            boundaries, plan = self._choose_boundaries(layers, example)
-        stages = split_stages(layers, boundaries)
-        # every tensor's name before any is replaced: the user's optimizer refers to these
-        self._names = TensorNames.of(module).name_of()
-        self._pipeline, self._replaced = assemble(
-            module,
-            stages,
-            boundaries,
-            plan,
-            self._names,
-            release=self.owns_stages,
-            held_elsewhere=self.held_elsewhere,
-            topology=self._topology,
-            groups=self._groups,
-            rank=self.global_rank,
-            device=self.root_device,
-            recompute=self.recompute,
-            gradient_sync=self.gradient_sync,
-        )
-        self._boundaries, self.partition_plan = boundaries, plan
-        self._ended = None  # the ranks now hold this run's stages
-        self._apply_resume(self._pipeline)
-        trainer = attached_trainer(module)
-        fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
-        if fitting and self.optimizers and self.owns_stages:
-            # every optimizer rebuilt over this stage's parameters, its schedulers repointed
-            schedulers = [config.scheduler for config in self.lr_scheduler_configs]
-            self.optimizers = restrict_optimizers(
-                [unwrapped_optimizer(o) for o in self.optimizers],
-                self._pipeline.owned,
-                self._replaced,
-                self._names,
-                schedulers,
-            )
-            self._apply_resume_optimizers()
-        return self._pipeline
-
-    def gradient_sync(self, parameters: list[nn.Parameter]) -> PartitionGradientSync | None:
-        """The stage's gradient averaging across groups (an engine's hook; default: GroPipe's
-        per-partition delayed allreduce)."""
-        assert self._groups is not None and self._topology is not None
-        return PartitionGradientSync(parameters, self._groups.data_parallel, self._topology.groups)
-
-    def _choose_boundaries(
-        self, layers: Sequence[nn.Module], example: tuple[Any, ...]
-    ) -> tuple[list[int], PartitionPlan | None]:
-        if self._boundaries is not None:
-            return self._boundaries, self.partition_plan
-        how = self.partition
-        if self.split_points is not None:
-            how = split_point_boundaries(layers, self._body, self.split_points)
-        return choose_boundaries(
-            layers,
-            example,
-            how=how,
-            stages=self.stages,
-            micro_batches=self.micro_batches,
-            profile_repeats=self.profile_repeats,
-            memory_limit_bytes=self.memory_limit_bytes,
-            schedule=self.schedule.name if self.schedule is not None else "1f1b",
-            recompute=self.recompute,
-            topology=self._topology,
-            rank=self.global_rank,
-            world_size=self.world_size,
-            device=lambda: self.root_device,
-            flushing=self.flushes,
-        )
 
     # -- collectives Lightning asks for ------------------------------------------------------
 

@@ -75,7 +75,7 @@ class PipelineTraining(PipelineCheckpoints):
     #: how the split module's exported layers are called (``None``: positional, traced)
     _call: FlatCall | None = None
 
-    if TYPE_CHECKING:  # what this half calls of the assembly (PipelineStrategyBase's)
+    if TYPE_CHECKING:  # what this half calls of the assembly (PipelineAssembly's)
 
         def capture(
             self, hook: str, micro_batch: Any, hook_args: Sequence[Any]
